@@ -1,0 +1,54 @@
+"""LanguageModel: the shared core plus the LM head its config names. forward returns logits.
+
+Shape legend: B batch, T length, C model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import TransformerConfig
+from .heads import LMHead
+from .init import init_weights
+from .transformer import Transformer
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = Transformer(cfg)
+        mlm = cfg.lm_head == "bert_mlm"
+        self.lm_head = LMHead(
+            cfg.d_model, cfg.vocab_size,
+            tied_to=self.transformer.tokens if cfg.tie_embeddings else None,
+            bias=mlm,  # BERT's decoder has an output bias; GPT-2, T5 and LLaMA heads do not
+            transform=mlm, activation="gelu" if mlm else cfg.activation, norm=cfg.norm, norm_eps=cfg.norm_eps,
+            input_scale=cfg.d_model ** -0.5 if cfg.scale_decoder_output else 1.0,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: TransformerConfig, device: torch.device | str | None = None) -> "LanguageModel":
+        """Build and initialise; on device "meta" only shapes are allocated."""
+        with torch.device(device or "cpu"):
+            model = cls(cfg)
+        if str(device) != "meta":
+            init_weights(model, cfg)
+        return model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        token_type_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.transformer(
+            input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
+        )
+        return self.lm_head(hidden)  # (B, T, V)
