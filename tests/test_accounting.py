@@ -1,0 +1,241 @@
+"""Parameter, FLOP and KV-cache accounting against the built model, FlopCounterMode and the
+real KVCache; the `info` command function."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import get_args
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lit_transformer.info import format_info, info, load_model_config
+from lit_transformer.model import PRESETS, ConfigError, LanguageModel, Transformer, TransformerConfig, preset
+from lit_transformer.model.accounting import (
+    count_parameters, cross_kv_cache_bytes_per_source_token, kv_cache_bytes_per_token, non_embedding_parameters,
+    parameter_breakdown, train_flops, train_flops_per_token,
+)
+
+# Every value of every field that changes which parameters exist or their shapes.
+GRID = {
+    "arch": ("encoder", "decoder", "encoder_decoder"),
+    "position": ("sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"),
+    "norm": ("layernorm", "rmsnorm"),
+    "norm_position": ("pre", "post"),
+    "activation": ("relu", "gelu", "gelu_tanh", "swiglu", "geglu", "geglu_tanh"),
+    "bias": (True, False),
+    "tie_embeddings": (True, False),
+    "lm_head": ("linear", "bert_mlm"),
+    "type_vocab_size": (0, 3),
+    "n_kv_heads": (None, 1, 2, 6),
+    "head_dim": (None, 6),  # None: 24 // 6 = 4; 6 decouples heads from d_model (T5)
+    "embedding_norm": (False, True),
+    "n_decoder_layers": (None, 3),
+}
+
+
+def small_config(**fields) -> TransformerConfig:
+    if fields.get("arch") != "encoder_decoder":
+        fields["n_decoder_layers"] = None
+    return TransformerConfig(vocab_size=99, d_model=24, n_heads=6, n_layers=2, d_ff=37, max_seq_len=13,
+                             relative_buckets=8, relative_max_distance=20, **fields)
+
+
+def grid_configs() -> list[TransformerConfig]:
+    """Each value of each field at least once (the others drawn at random), plus random mixes."""
+    rng = random.Random(0)
+    draws = []
+    for field, values in GRID.items():
+        for value in values:
+            draws.append({**{f: rng.choice(v) for f, v in GRID.items()}, field: value})
+    draws += [{f: rng.choice(v) for f, v in GRID.items()} for _ in range(150)]
+    return [small_config(**d) for d in draws]
+
+
+def built_parameters(cfg: TransformerConfig) -> int:
+    return sum(p.numel() for p in LanguageModel.from_config(cfg, device="meta").parameters())
+
+
+def test_grid_covers_every_selector_value():
+    # If a Literal grows a value, the grid must grow with it.
+    from lit_transformer.model import config as config_module
+
+    for field, literal in [("arch", config_module.Arch), ("position", config_module.Position),
+                           ("norm", config_module.Norm), ("norm_position", config_module.NormPosition),
+                           ("activation", config_module.Activation), ("lm_head", config_module.LMHead)]:
+        assert set(GRID[field]) == set(get_args(literal)), field
+
+
+def test_parameter_count_equals_built_model_on_grid():
+    for cfg in grid_configs():
+        assert count_parameters(cfg) == built_parameters(cfg), cfg
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_parameter_count_equals_built_model_for_presets(name):
+    cfg = preset(name)
+    assert count_parameters(cfg) == built_parameters(cfg)
+    assert sum(parameter_breakdown(cfg).values()) == count_parameters(cfg)
+
+
+def test_non_embedding_parameters_are_the_blocks():
+    # GPT-2 small: 12 layers of 12*C^2 + 13*C (attention and FFN matrices, biases, 2 LayerNorms)
+    # plus the final LayerNorm; nothing vocabulary- or position-sized (Kaplan et al. 2020).
+    cfg, C = preset("gpt2-small"), 768
+    assert non_embedding_parameters(cfg) == 12 * (12 * C * C + 13 * C) + 2 * C
+    untied = cfg.replace(tie_embeddings=False)
+    assert count_parameters(untied) == count_parameters(cfg) + 50257 * C
+    assert non_embedding_parameters(untied) == non_embedding_parameters(cfg)
+
+
+# Published sizes: Vaswani et al. 2017 Table 3; Devlin et al. 2019; Radford et al. 2019;
+# Raffel et al. 2020; Brown et al. 2020 Table 2.1; TinyLlama; Touvron et al. 2023.
+PUBLISHED = {
+    "transformer-base": 65e6, "transformer-big": 213e6, "bert-base": 110e6, "gpt2-small": 124e6,
+    "t5-base": 220e6, "tinyllama-1.1b": 1.1e9, "llama2-70b": 70e9, "gpt3-175b": 175e9,
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameters_match_published_sizes(name):
+    assert count_parameters(preset(name)) == pytest.approx(PUBLISHED[name], rel=0.05)
+
+
+def test_gpt3_flops_are_dominated_by_6n():
+    cfg = preset("gpt3-175b")
+    L, C, V, T = 96, 12288, 50257, 2048
+    matmul_weights = L * 12 * C * C + V * C  # 4 C^2 attention + 8 C^2 FFN per layer, plus unembedding
+    per_token = train_flops_per_token(cfg, T)
+    assert per_token == 6 * matmul_weights + 12 * L * C * T  # PaLM appendix B: 6N + 12 L H Q T
+    flops = train_flops(cfg, T)
+    assert 0.02 < flops.attention / flops.total < 0.035  # 2T/(12C) of the dense part at T=2048
+    assert per_token == pytest.approx(6 * 175e9, rel=0.05)  # the Kaplan / Chinchilla C = 6N estimate
+    # Attention grows linearly with context: doubling T adds exactly the T=2048 attention term again.
+    assert train_flops_per_token(cfg, 2 * T) - per_token == 12 * L * C * T
+
+
+MEASURED = {
+    "gpt2-like": dict(arch="decoder", position="learned", activation="gelu_tanh"),
+    "llama-like": dict(arch="decoder", position="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2,
+                       bias=False, tie_embeddings=False),
+    "alibi-mqa": dict(arch="decoder", position="alibi", n_kv_heads=1, head_dim=6),
+    "bert-like": dict(arch="encoder", norm_position="post", embedding_norm=True, type_vocab_size=2,
+                      lm_head="bert_mlm"),
+    "t5-like": dict(arch="encoder_decoder", position="t5_relative", norm="rmsnorm", bias=False, head_dim=6,
+                    n_decoder_layers=3, n_kv_heads=3, activation="geglu_tanh", tie_embeddings=False),
+    "vaswani-like": dict(arch="encoder_decoder", position="sinusoidal", norm_position="post", activation="relu"),
+}
+
+
+@pytest.mark.parametrize("name", list(MEASURED))
+def test_train_flops_equal_flop_counter(name):
+    """One forward + backward under FlopCounterMode (math attention: CPU SDPA kernels are not
+    counted by it) equals the accounting exactly: every matmul, incl. both attention products
+    over the full score matrix, forward once and backward twice."""
+    torch.manual_seed(0)
+    cfg = small_config(attention_impl="math", **MEASURED[name])
+    model = LanguageModel.from_config(cfg)
+    B, S, T = 3, 11, 7
+    ids = torch.randint(0, 99, (B, S))
+    kwargs = {"decoder_input_ids": torch.randint(0, 99, (B, T))} if cfg.arch == "encoder_decoder" else {}
+    with FlopCounterMode(display=False) as counter:
+        model(ids, **kwargs).float().square().mean().backward()
+    flops = train_flops(cfg, S, T if cfg.arch == "encoder_decoder" else None)
+    assert counter.get_total_flops() == B * flops.total
+    assert train_flops_per_token(cfg, S, flops.decoder_seq_len) * B * S == pytest.approx(counter.get_total_flops())
+
+
+def test_encoder_decoder_flops_terms():
+    # The cross-attention terms scale with source and target lengths as documented.
+    cfg = preset("t5-base")
+    a, b = train_flops(cfg, 512, 114), train_flops(cfg, 512, 228)
+    assert b.cross_attention == 2 * a.cross_attention
+    assert b.cross_kv_projection == a.cross_kv_projection  # per source token only
+    assert b.encoder_dense == a.encoder_dense and b.encoder_attention == a.encoder_attention
+    assert b.decoder_attention == 4 * a.decoder_attention
+    assert a.per_token == a.total / 512
+    with pytest.raises(ConfigError, match="decoder_seq_len"):
+        train_flops(preset("gpt2-small"), 1024, 100)
+
+
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like", "alibi-mqa", "bert-like", "t5-like"])
+def test_kv_cache_bytes_equal_cache_tensors(name):
+    cfg = small_config(**MEASURED[name])
+    model = Transformer(cfg)
+    B, M = 3, 11
+    cache = model.new_cache(B, M, dtype=torch.bfloat16)
+    cached = cache.keys.nbytes + cache.values.nbytes
+    assert cached == B * M * kv_cache_bytes_per_token(cfg, dtype_bytes=2)
+    if cfg.arch == "encoder":
+        assert kv_cache_bytes_per_token(cfg) == 0
+    if cfg.arch == "encoder_decoder":
+        S = 7
+        memory = model.encode(torch.randint(0, 99, (B, S)))
+        cache = model.new_cache(B, M)  # float32, the model's dtype
+        model.decode(torch.randint(0, 99, (B, 1)), memory=memory, cache=cache)
+        cross = sum(k.nbytes + v.nbytes for k, v in cache.cross)  # float32 memory
+        assert cross == B * S * cross_kv_cache_bytes_per_source_token(cfg, dtype_bytes=4)
+    else:
+        assert cross_kv_cache_bytes_per_source_token(cfg) == 0
+
+
+# ----------------------------------------------------------------------------- info
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_info_for_presets(name):
+    d = info(name)
+    cfg = preset(name)
+    assert d["name"] == name and d["arch"] == cfg.arch
+    assert d["parameters"] == count_parameters(cfg)
+    assert d["non_embedding_parameters"] == non_embedding_parameters(cfg)
+    assert d["seq_len"] == cfg.max_seq_len
+    assert d["train_flops_per_token"] == train_flops_per_token(cfg, cfg.max_seq_len, d["decoder_seq_len"])
+    assert d["kv_cache_bytes_per_token"] == kv_cache_bytes_per_token(cfg, 2)
+    assert TransformerConfig.from_dict(d["config"]) == cfg
+    json.dumps(d)  # the --json output
+    text = format_info(d)
+    assert name in text and f"{d['parameters']:,}" in text
+
+
+def test_info_for_recipe_with_preset_and_overrides(tmp_path):
+    path = tmp_path / "gpt-tiny.yaml"
+    path.write_text("model:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n  n_heads: 3\n"
+                    "  max_seq_len: 77\ntrainer:\n  max_steps: 5\n")
+    d = info(str(path))
+    cfg = preset("gpt2-small", n_layers=3, d_model=96, n_heads=3, max_seq_len=77)
+    assert d["name"] == "gpt-tiny" and d["preset"] == "gpt2-small"
+    assert d["parameters"] == count_parameters(cfg) == built_parameters(cfg)
+    assert d["seq_len"] == 77
+    assert "gpt-tiny" in format_info(d)
+
+
+def test_info_for_recipe_without_preset(tmp_path):
+    path = tmp_path / "t5ish.yaml"
+    path.write_text("model:\n  arch: encoder_decoder\n  vocab_size: 99\n  d_model: 24\n  n_heads: 6\n"
+                    "  n_layers: 2\n  d_ff: 37\n  max_seq_len: 13\n")
+    d = info(str(path), decoder_seq_len=5)
+    assert d["preset"] is None and d["decoder_seq_len"] == 5
+    assert d["cross_kv_cache_bytes_per_source_token"] == 2 * 2 * 6 * 4 * 2
+
+
+def test_info_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="gpt2-small"):  # the closest preset
+        info("gpt2-smal")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: gpt2-small\n  n_layer: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*model\.n_layer.*n_layers"):
+        info(str(bad))
+    bad.write_text("model:\n  preset: gpt2-smal\n")
+    with pytest.raises(ConfigError, match="did you mean `gpt2-small`"):
+        info(str(bad))
+    bad.write_text("trainer:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="no `model` section"):
+        load_model_config(str(bad))
+    bad.write_text("model:\n  arch: decoder\n  vocab_size: 99\n")
+    with pytest.raises(ConfigError, match="d_model"):
+        info(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        info(str(tmp_path / "missing.yaml"))
