@@ -202,6 +202,7 @@ def test_meta_device_build_then_materialise_and_init():
     assert all(p.is_meta for p in model.parameters())
     model.to_empty(device="cpu")
     init_weights(model, cfg)
+    assert model.lm_head.decoder.weight is model.transformer.tokens.weight, "to_empty untied the LM head"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     weight = model.transformer.encoder.blocks[0].ffn.up.weight
     assert abs(weight.std().item() - cfg.init_std) < 0.005

@@ -37,6 +37,17 @@ class LanguageModel(nn.Module):
             init_weights(model, cfg)
         return model
 
+    def tie_weights(self) -> None:
+        """Share the token embedding with the LM head (again): materialising a meta model with
+        `to_empty` allocates every parameter separately, which would silently untie them."""
+        if self.config.tie_embeddings:
+            self.lm_head.decoder.weight = self.transformer.tokens.weight
+
+    def to_empty(self, *, device, recurse: bool = True) -> "LanguageModel":
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
     def forward(
         self,
         input_ids: torch.Tensor,
