@@ -4,9 +4,10 @@ from .model import (
     PRESETS, ClassificationHead, ConfigError, KVCache, LanguageModel, Transformer, TransformerConfig,
     init_weights, preset,
 )
+from .model.interop import InteropError, export_hf, load_pretrained, save_pretrained
 
 __version__ = "0.1.0"
 __all__ = [
-    "PRESETS", "ClassificationHead", "ConfigError", "KVCache", "LanguageModel", "Transformer",
-    "TransformerConfig", "init_weights", "preset",
+    "PRESETS", "ClassificationHead", "ConfigError", "InteropError", "KVCache", "LanguageModel", "Transformer",
+    "TransformerConfig", "export_hf", "init_weights", "load_pretrained", "preset", "save_pretrained",
 ]
