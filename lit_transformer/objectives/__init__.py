@@ -1,0 +1,46 @@
+"""Training objectives: one LightningModule per objective on a shared base."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .base import ObjectiveBase
+from .causal_lm import CausalLM
+from .classifier import SequenceClassifier
+from .masked_lm import MaskedLM
+from .metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
+from .optim import OptimConfig, lr_multiplier, make_scheduler, parameter_groups
+from .seq2seq import Seq2SeqLM
+
+
+@torch.no_grad()
+def evaluate_batches(module: ObjectiveBase, batches: Iterable[dict[str, Any]],
+                     max_batches: int | None = None) -> dict[str, float]:
+    """Run an objective's validation metrics over batches without a Trainer (single process).
+
+    Returns the same names the objective logs under val/: loss, ppl and bpb (language models,
+    bpb only with bytes_per_token), masked_accuracy (MaskedLM), token_accuracy and bleu
+    (Seq2SeqLM), accuracy, macro_f1, micro_f1, mse, pearson (SequenceClassifier, by problem).
+    """
+    was_training = module.training
+    module.eval()
+    module.eval_reset()
+    try:
+        for index, batch in enumerate(batches):
+            if max_batches is not None and index >= max_batches:
+                break
+            batch = {k: v.to(module.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            module.eval_update(batch, index)
+        return module.eval_compute()
+    finally:
+        module.eval_reset()
+        module.train(was_training)
+
+
+__all__ = [
+    "CausalLM", "IGNORE_INDEX", "MaskedLM", "ObjectiveBase", "OptimConfig", "Seq2SeqLM", "SequenceClassifier",
+    "bits_per_byte", "evaluate_batches", "lr_multiplier", "make_scheduler", "parameter_groups",
+    "token_cross_entropy",
+]

@@ -1,0 +1,277 @@
+"""ObjectiveBase: what every training objective shares. The subclasses own their modules,
+losses and metrics; this class owns the optimizer and schedule, the per-step training
+metrics (loss, perplexity, learning rate, gradient norm, throughput, MFU), the non-finite
+loss guard, the evaluation plumbing (validation, test and `evaluate_batches`) and the FSDP2
+hook.
+
+Training metrics, logged with `self.log` at every step (the Trainer's log_every_n_steps
+decides what reaches the logger), except tokens_per_s and mfu, computed on logging steps only:
+  train/loss, train/ppl   the minimised loss (label-smoothed if asked) and exp(plain NLL)
+  train/lr                the first parameter group's learning rate for this step
+  train/grad_norm         total 2-norm of all gradients, BEFORE clipping: Lightning calls
+                          on_before_optimizer_step and then clips (Precision._after_closure in
+                          lightning 2.6), and with a GradScaler the gradients are already unscaled
+  train/tokens_per_s      non-pad tokens per second summed over ranks, averaged over the
+                          window since the last logging step (wall clock, CUDA synchronised once
+                          per window, not per step)
+  train/mfu               model FLOPs per second / peak FLOP/s of all devices (Chowdhery et al.
+                          2022, PaLM, 4.1 and appendix B), FLOPs from model.accounting; only
+                          when the peak is known (PEAK_FLOPS on a GPU, or `peak_flops`)
+  train/skipped_steps     how many optimizer steps the non-finite guard has skipped so far
+
+Validation and test (`val/...`, `test/...`) and `evaluate_batches` share one path per objective
+(`eval_update` per batch, `eval_compute` at the end): losses are the plain NLL (no label
+smoothing) summed over tokens and divided by the token count over all batches and ranks.
+
+The non-finite guard costs one host-device sync per step (`skip_nonfinite=False` removes it).
+
+Shape legend: B batch, T length.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from ..model.config import TransformerConfig
+from .metrics import bits_per_byte, peak_flops_for
+from .optim import OptimConfig, build_optimizer, make_scheduler, parameter_groups
+
+
+def as_model_config(value: TransformerConfig | dict) -> TransformerConfig:
+    return value if isinstance(value, TransformerConfig) else TransformerConfig.from_dict(dict(value))
+
+
+def as_optim_config(value: OptimConfig | dict | None) -> OptimConfig:
+    if value is None:
+        return OptimConfig()
+    return value if isinstance(value, OptimConfig) else OptimConfig.from_dict(dict(value))
+
+
+def non_pad_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.tensor(float(input_ids.numel()), device=input_ids.device)
+    return attention_mask.sum().float()
+
+
+class ObjectiveBase(L.LightningModule):
+    """Subclasses call `super().__init__(...)`, build their modules and torchmetrics in
+    `self.eval_metrics` (an nn.ModuleDict), and implement `training_step` (ending in
+    `self.finish_training_step(...)`), `eval_update(batch, batch_idx)` and `eval_compute()`."""
+
+    def __init__(self, *, model_config: TransformerConfig, optim: OptimConfig, max_steps: int | None,
+                 bytes_per_token: float | None = None, peak_flops: float | None = None,
+                 skip_nonfinite: bool = True):
+        super().__init__()
+        if bytes_per_token is not None and not bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token={bytes_per_token} must be positive")
+        self.model_config = model_config
+        self.optim = optim
+        self.max_steps = max_steps
+        self.bytes_per_token = bytes_per_token
+        self.peak_flops = peak_flops
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self.eval_metrics = nn.ModuleDict()
+        self._flops_cache: dict[tuple[int, int | None], tuple[float, float]] = {}
+        self._window_start: float | None = None
+        self._window: torch.Tensor | None = None  # (tokens, model FLOPs) since the window start
+        self._window_step = 0
+
+    # ------------------------------------------------------------------ training
+    def finish_training_step(self, loss: torch.Tensor, nll_mean: torch.Tensor | None,
+                             batch: dict[str, torch.Tensor], *, flop_tokens: torch.Tensor | float,
+                             head_positions: torch.Tensor | float,
+                             metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The shared end of training_step: guard, log, count throughput; returns the loss or None.
+
+        nll_mean: the plain per-token NLL behind train/ppl (None where perplexity means nothing).
+        flop_tokens: non-pad input tokens that the body of the model ran on; head_positions:
+        positions the LM head ran on (MFU counts only the FLOPs actually spent).
+        """
+        attached = self._trainer is not None  # a plain loop (tests, notebooks) may call this too
+        if self.skip_nonfinite and not torch.isfinite(loss):  # one host sync per step
+            if not attached or self.trainer.world_size == 1:
+                # Lightning then skips backward and the optimizer sees no gradients: no update.
+                self.skipped_steps += 1
+                if attached:
+                    self.log("train/skipped_steps", float(self.skipped_steps))
+                return None
+            # Lightning forbids returning None under DDP/FSDP (all ranks must run backward);
+            # the non-finite gradients are all-reduced to every rank and dropped in
+            # on_before_optimizer_step instead, consistently everywhere.
+        if not attached:
+            return loss
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        if nll_mean is not None:
+            self.log("train/ppl", nll_mean.exp())
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("train/skipped_steps", float(self.skipped_steps))
+        for name, value in (metrics or {}).items():
+            self.log(f"train/{name}", value)
+        self._count_work(batch, flop_tokens, head_positions)
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._window_start is None:
+            self._window_start, self._window_step = time.perf_counter(), self.global_step
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:  # training_step returned None: nothing to measure
+            return
+        norm = total_norm(grads)
+        self.log("train/grad_norm", norm)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16 AMP skips inf steps itself
+        if self.skip_nonfinite and self.trainer.world_size > 1 and scaler is None and not torch.isfinite(norm):
+            # AdamW skips parameters without a gradient: no moment update, no decay.
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self.skipped_steps += 1  # logged with the next step's metrics
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        every = max(self.trainer.log_every_n_steps, 1)
+        if self.global_step == self._window_step or self.global_step % every or self._window is None:
+            return  # accumulating, or not a logging step
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host time must cover the GPU work it timed
+        now = time.perf_counter()
+        seconds = max(now - self._window_start, 1e-9)
+        totals = self.trainer.strategy.reduce(self._window, reduce_op="sum")  # (2,) over all ranks
+        self.log("train/tokens_per_s", totals[0] / seconds)
+        peak = self._peak_flops()
+        if peak is not None:
+            self.log("train/mfu", totals[1] / seconds / (peak * self.trainer.world_size))
+        self._window_start, self._window_step, self._window = now, self.global_step, None
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def eval_reset(self) -> None:
+        for metric in self.eval_metrics.values():
+            metric.reset()
+
+    def lm_eval_metrics(self, loss: torch.Tensor) -> dict[str, float]:
+        """loss, ppl and (with bytes_per_token) bpb from a mean NLL in nats per token."""
+        value = float(loss)
+        out = {"loss": value, "ppl": math.exp(min(value, 700.0))}  # exp overflows a double past ~709
+        if self.bytes_per_token is not None:
+            out["bpb"] = bits_per_byte(value, self.bytes_per_token)
+        return out
+
+    def _log_eval(self, prefix: str) -> None:
+        values = self.eval_compute()  # torchmetrics sums over ranks here
+        # The values are already global; sync_dist (a mean of equal numbers) only keeps
+        # Lightning's epoch-level logging contract in distributed runs.
+        self.log_dict({f"{prefix}/{k}": float(v) for k, v in values.items()}, sync_dist=True)
+        self.eval_reset()
+
+    # ------------------------------------------------------------------ optimisation
+    def lr_scales(self) -> dict[str, float]:
+        """Parameter-name prefixes with a learning-rate factor (the classifier's backbone)."""
+        return {}
+
+    def configure_optimizers(self):
+        groups = parameter_groups(self, self.optim.weight_decay, lr_scales=self.lr_scales())
+        optimizer = build_optimizer(groups, self.optim)
+        max_steps = self.max_steps
+        if (max_steps is None or max_steps <= 0) and self._trainer is not None:
+            estimated = self.trainer.estimated_stepping_batches
+            max_steps = int(estimated) if math.isfinite(estimated) else None
+        scheduler = make_scheduler(optimizer, self.optim, max_steps, self.model_config.d_model)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def configure_model(self) -> None:
+        """FSDP2 under Lightning's ModelParallelStrategy: shard every Block, then each
+        top-level module with parameters (its root group gathers embeddings, norms and heads;
+        tied weights stay inside one group). Nothing to do without a device mesh."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        try:
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+        from ..model.transformer import Block
+
+        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+            raise ValueError("tensor parallelism is not implemented: use ModelParallelStrategy(tensor_parallel_size=1)")
+        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        for module in self.modules():
+            if isinstance(module, Block) and not isinstance(module, FSDPModule):
+                fully_shard(module, mesh=dp_mesh)
+        for child in self.children():
+            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
+                fully_shard(child, mesh=dp_mesh)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+
+    # ------------------------------------------------------------------ throughput internals
+    def _count_work(self, batch: dict[str, torch.Tensor], flop_tokens: torch.Tensor | float,
+                    head_positions: torch.Tensor | float) -> None:
+        body, head = self._flops_per_token(batch)
+        tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
+        if "decoder_input_ids" in batch:
+            tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
+
+        def on_device(x):
+            return torch.as_tensor(x, dtype=torch.float32, device=tokens.device)
+
+        work = torch.stack([on_device(tokens), on_device(flop_tokens) * body + on_device(head_positions) * head])
+        self._window = work if self._window is None else self._window + work
+
+    def _flops_per_token(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(body FLOPs per input token, LM-head FLOPs per head position) for this batch's lengths."""
+        T = batch["input_ids"].shape[1]
+        T_dec = batch["decoder_input_ids"].shape[1] if "decoder_input_ids" in batch else None
+        key = (T, T_dec)
+        if key not in self._flops_cache:
+            from ..model.accounting import train_flops
+
+            cfg = self.flops_config()
+            flops = train_flops(cfg, T, T_dec if cfg.arch == "encoder_decoder" else None)
+            outputs = T_dec if T_dec is not None and cfg.arch == "encoder_decoder" else T
+            self._flops_cache[key] = ((flops.total - flops.lm_head) / T, flops.lm_head / outputs)
+        return self._flops_cache[key]
+
+    def flops_config(self) -> TransformerConfig:
+        """The configuration whose training FLOPs this objective spends (overridden where only
+        part of the model runs)."""
+        return self.model_config
+
+    def _peak_flops(self) -> float | None:
+        if self.peak_flops is not None:
+            return self.peak_flops
+        if self.device.type != "cuda":
+            return None
+        return peak_flops_for(torch.cuda.get_device_name(self.device), str(self.trainer.precision))
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together (sharded DTensors included: a global norm)."""
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2: reduce the shards
+    return full_tensor() if full_tensor is not None else norm

@@ -1,0 +1,69 @@
+"""Causal (next-token) language modelling (Radford et al. 2018, 2019). The collator has
+already shifted the labels: labels[t] is the token after input_ids[t], IGNORE_INDEX on padding.
+
+Shape legend: B batch, T length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import TransformerConfig
+from ..model.language_model import LanguageModel
+from .base import ObjectiveBase, as_model_config, as_optim_config
+from .metrics import TokenAverage, token_cross_entropy
+from .optim import OptimConfig
+
+
+class CausalLM(ObjectiveBase):
+    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
+                 max_steps: int | None = None, *, bytes_per_token: float | None = None,
+                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+        """`model`: a config to build and initialise, or a LanguageModel to train further."""
+        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
+        optim = as_optim_config(optim)
+        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
+                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
+        self.save_hyperparameters({
+            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps,
+            "bytes_per_token": bytes_per_token, "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
+        })
+        self.model = lm
+        self.eval_metrics["loss"] = TokenAverage()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits (B, T, V)."""
+        return self.model(input_ids, attention_mask)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss_sum, nll_sum, count = self._terms(batch, self.optim.label_smoothing)
+        n = count.clamp(min=1)
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        return self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count)
+
+    def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, nll_sum, count = self._terms(batch, 0.0)
+        self.eval_metrics["loss"].update(nll_sum, count)
+
+    def eval_compute(self) -> dict[str, float]:
+        return self.lm_eval_metrics(self.eval_metrics["loss"].compute())
+
+    def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
+        """Continue prompts with `lit_transformer.model.generate.generate` (greedy by default;
+        do_sample, temperature, top_k, top_p, num_beams, eos_token_id, ... pass through).
+        Returns (B, T + G): the left-padded prompts, then the new tokens."""
+        from ..model.generate import generate
+
+        return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
+
+    def _terms(self, batch, label_smoothing: float):
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
+        labels = batch["labels"]
+        if labels.shape != batch["input_ids"].shape:
+            raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
+                             "(the collator shifts them)")
+        V = logits.shape[-1]
+        return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
+

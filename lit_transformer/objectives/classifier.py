@@ -1,0 +1,161 @@
+"""Sequence classification and regression on the shared core: a backbone Transformer (an
+encoder; a decoder read at its last real token; or the encoder of an encoder-decoder, as
+T5's encoder is used for classification) and a ClassificationHead.
+
+Problems and their losses:
+  single_label   labels long (B,)       cross-entropy (label smoothing from optim)
+  multi_label    labels float (B, N)    binary cross-entropy with logits, one per label
+  regression     labels float (B,)      mean squared error (num_labels must be 1)
+
+Shape legend: B batch, T length, C model width, N labels (outputs).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import (
+    MulticlassAccuracy, MulticlassF1Score, MultilabelAccuracy, MultilabelF1Score,
+)
+from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
+
+from ..model.config import TransformerConfig
+from ..model.heads import ClassificationHead
+from ..model.init import init_weights
+from ..model.transformer import Transformer
+from .base import ObjectiveBase, as_model_config, as_optim_config
+from .metrics import TokenAverage
+from .optim import OptimConfig
+
+Problem = Literal["single_label", "multi_label", "regression"]
+Pooling = Literal["first", "mean", "last"]
+DEFAULT_POOLING = {"encoder": "first", "decoder": "last", "encoder_decoder": "mean"}
+
+
+class SequenceClassifier(ObjectiveBase):
+    def __init__(self, model_config: TransformerConfig | dict | Transformer, num_labels: int,
+                 problem: Problem = "single_label", pooling: Pooling | None = None,
+                 optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
+                 hidden_layer: bool = True, classifier_dropout: float = 0.1, backbone_lr_ratio: float = 1.0,
+                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+        """`model_config`: a config for a freshly initialised backbone, or a Transformer whose
+        weights to fine-tune (see `from_backbone`). `pooling` defaults by architecture:
+        first ([CLS]) for encoders, last for decoders, mean for an encoder-decoder's encoder.
+        `backbone_lr_ratio` scales the backbone's learning rate relative to the head's."""
+        if problem not in ("single_label", "multi_label", "regression"):
+            raise ValueError(f"problem={problem!r} is not one of ['single_label', 'multi_label', 'regression']")
+        if num_labels < 1 or (problem == "single_label" and num_labels < 2):
+            raise ValueError(f"num_labels={num_labels} is too small for {problem}")
+        if problem == "regression" and num_labels != 1:
+            raise ValueError(f"regression predicts one value: num_labels must be 1, not {num_labels}")
+        if not backbone_lr_ratio > 0:
+            raise ValueError(f"backbone_lr_ratio={backbone_lr_ratio} must be positive")
+        if isinstance(model_config, Transformer):
+            backbone = model_config
+        else:
+            cfg = as_model_config(model_config)
+            backbone = init_weights(Transformer(cfg), cfg)
+        cfg = backbone.config
+        pooling = pooling or DEFAULT_POOLING[cfg.arch]
+        if pooling not in ("first", "mean", "last"):
+            raise ValueError(f"pooling={pooling!r} is not one of ['first', 'mean', 'last']")
+        optim = as_optim_config(optim)
+        super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, peak_flops=peak_flops,
+                         skip_nonfinite=skip_nonfinite)
+        self.save_hyperparameters({
+            "model_config": cfg.to_dict(), "num_labels": num_labels, "problem": problem, "pooling": pooling,
+            "optim": optim.to_dict(), "max_steps": max_steps, "hidden_layer": hidden_layer,
+            "classifier_dropout": classifier_dropout, "backbone_lr_ratio": backbone_lr_ratio,
+            "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
+        })
+        if cfg.arch == "encoder_decoder":
+            backbone.decoder = None  # only the encoder is read: no dead parameters for DDP or AdamW
+        self.backbone = backbone
+        self.head = ClassificationHead(cfg.d_model, num_labels, pooling=pooling, hidden_layer=hidden_layer,
+                                       dropout=classifier_dropout)
+        init_weights(self.head, cfg)
+        self.problem, self.num_labels, self.backbone_lr_ratio = problem, num_labels, backbone_lr_ratio
+        self.eval_metrics["loss"] = TokenAverage()  # per example
+        if problem == "single_label":
+            self.eval_metrics["accuracy"] = MulticlassAccuracy(num_labels, average="micro")
+            self.eval_metrics["macro_f1"] = MulticlassF1Score(num_labels, average="macro")
+        elif problem == "multi_label":
+            self.eval_metrics["accuracy"] = MultilabelAccuracy(num_labels, threshold=0.5, average="micro")
+            self.eval_metrics["micro_f1"] = MultilabelF1Score(num_labels, threshold=0.5, average="micro")
+            self.eval_metrics["macro_f1"] = MultilabelF1Score(num_labels, threshold=0.5, average="macro")
+        else:
+            self.eval_metrics["mse"] = MeanSquaredError()
+            self.eval_metrics["pearson"] = PearsonCorrCoef()
+
+    @classmethod
+    def from_backbone(cls, transformer: Transformer, num_labels: int, problem: Problem = "single_label",
+                      **kwargs) -> "SequenceClassifier":
+        """Fine-tune a pretrained core: `LanguageModel.transformer` from a run directory,
+        checkpoint or `load_pretrained(...)`. The module is used (not copied); an
+        encoder-decoder's decoder is dropped from it."""
+        return cls(transformer, num_labels, problem, **kwargs)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, N); for regression the predictions (B,)."""
+        if self.model_config.arch == "encoder_decoder":
+            hidden = self.backbone.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
+        else:
+            hidden = self.backbone(input_ids, attention_mask, token_type_ids=token_type_ids)  # (B, T, C)
+        out = self.head(hidden, attention_mask)  # (B, N)
+        return out.squeeze(-1) if self.problem == "regression" else out
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
+        loss = self.loss(outputs, batch["labels"], self.optim.label_smoothing)
+        metrics = {}
+        if self.problem == "single_label":
+            metrics["accuracy"] = (outputs.detach().argmax(-1) == batch["labels"]).float().mean()
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        return self.finish_training_step(loss, None, batch, flop_tokens=tokens, head_positions=0.0,
+                                         metrics=metrics)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Class probabilities (B, N), per-label probabilities (B, N), or values (B,)."""
+        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids"))
+        if self.problem == "single_label":
+            return outputs.softmax(-1)
+        return outputs.sigmoid() if self.problem == "multi_label" else outputs
+
+    def loss(self, outputs: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+        outputs = outputs.float()
+        if self.problem == "single_label":
+            return F.cross_entropy(outputs, labels.long(), label_smoothing=label_smoothing)
+        if self.problem == "multi_label":
+            return F.binary_cross_entropy_with_logits(outputs, labels.to(outputs.dtype))
+        return F.mse_loss(outputs, labels.to(outputs.dtype))
+
+    def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        outputs = self(batch["input_ids"], batch.get("attention_mask"), batch.get("token_type_ids")).float()
+        labels = batch["labels"]
+        n = torch.tensor(float(labels.shape[0]), device=outputs.device)
+        self.eval_metrics["loss"].update(self.loss(outputs, labels) * n, n)
+        if self.problem == "single_label":
+            for name in ("accuracy", "macro_f1"):
+                self.eval_metrics[name].update(outputs.argmax(-1), labels)
+        elif self.problem == "multi_label":
+            for name in ("accuracy", "micro_f1", "macro_f1"):
+                self.eval_metrics[name].update(outputs.sigmoid(), labels.long())
+        else:
+            for name in ("mse", "pearson"):
+                self.eval_metrics[name].update(outputs, labels.to(outputs.dtype))
+
+    def eval_compute(self) -> dict[str, float]:
+        return {name: float(metric.compute()) for name, metric in self.eval_metrics.items()}
+
+    def lr_scales(self) -> dict[str, float]:
+        return {"backbone.": self.backbone_lr_ratio} if self.backbone_lr_ratio != 1.0 else {}
+
+    def flops_config(self) -> TransformerConfig:
+        cfg = self.model_config
+        if cfg.arch == "encoder_decoder":  # only the encoder runs
+            return cfg.replace(arch="encoder", n_decoder_layers=None)
+        return cfg

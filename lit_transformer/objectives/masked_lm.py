@@ -1,0 +1,79 @@
+"""Masked language modelling (Devlin et al. 2019): predict the tokens the collator masked.
+
+The LM head runs only on the masked positions: with BERT's 15% masking that skips about 85%
+of the vocabulary projection (and of the bert_mlm transform), the largest single matrix
+product of a small-vocabulary-heavy model; the loss is identical (tests check it).
+
+Shape legend: B batch, T length, C model width, N masked positions in the batch, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import TransformerConfig
+from ..model.language_model import LanguageModel
+from .base import ObjectiveBase, as_model_config, as_optim_config
+from .metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
+from .optim import OptimConfig
+
+
+class MaskedLM(ObjectiveBase):
+    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
+                 max_steps: int | None = None, *, bytes_per_token: float | None = None,
+                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+        """`model`: a config to build and initialise, or a LanguageModel to train further."""
+        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
+        optim = as_optim_config(optim)
+        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
+                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
+        self.save_hyperparameters({
+            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps,
+            "bytes_per_token": bytes_per_token, "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
+        })
+        self.model = lm
+        self.eval_metrics["loss"] = TokenAverage()
+        self.eval_metrics["masked_accuracy"] = TokenAverage()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits at every position (B, T, V), e.g. for fill-mask."""
+        return self.model(input_ids, attention_mask, token_type_ids=token_type_ids)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss_sum, nll_sum, count, correct = self._masked_terms(batch, self.optim.label_smoothing)
+        n = count.clamp(min=1)
+        return self.finish_training_step(
+            loss_sum / n, nll_sum / n, batch, flop_tokens=self._tokens(batch), head_positions=count,
+            metrics={"masked_accuracy": correct / n},
+        )
+
+    def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, nll_sum, count, correct = self._masked_terms(batch, 0.0)
+        self.eval_metrics["loss"].update(nll_sum, count)
+        self.eval_metrics["masked_accuracy"].update(correct, count)
+
+    def eval_compute(self) -> dict[str, float]:
+        out = self.lm_eval_metrics(self.eval_metrics["loss"].compute())
+        out["masked_accuracy"] = float(self.eval_metrics["masked_accuracy"].compute())
+        return out
+
+    def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (N, V), targets (N,)) at the positions whose label is not IGNORE_INDEX."""
+        hidden = self.model.transformer(batch["input_ids"], batch.get("attention_mask"),
+                                        token_type_ids=batch.get("token_type_ids"))  # (B, T, C)
+        labels = batch["labels"]
+        predicted = labels != IGNORE_INDEX  # (B, T)
+        # Boolean indexing has a data-dependent size (one host sync); the head then sees (N, C).
+        return self.model.lm_head(hidden[predicted]), labels[predicted]
+
+    def _masked_terms(self, batch, label_smoothing: float):
+        logits, targets = self.masked_logits(batch)  # (N, V), (N,)
+        loss_sum, nll_sum, count = token_cross_entropy(logits, targets, label_smoothing)
+        correct = (logits.detach().argmax(-1) == targets).sum()
+        return loss_sum, nll_sum, count, correct
+
+    @staticmethod
+    def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        mask = batch.get("attention_mask")
+        return mask.sum() if mask is not None else batch["input_ids"].numel()

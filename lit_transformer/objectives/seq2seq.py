@@ -1,0 +1,144 @@
+"""Encoder-decoder training: T5 span corruption (Raffel et al. 2020, 3.1.4) and supervised
+source -> target pairs (Vaswani et al. 2017's translation task). Both are teacher-forced
+cross-entropy over the decoder labels; the collator builds decoder_input_ids (labels shifted
+right behind the start token) and marks padding in the labels with IGNORE_INDEX.
+
+For supervised pairs the validation can also decode a few batches and report corpus BLEU
+(Papineni et al. 2002) with sacrebleu, given a `detokenize` function.
+
+Shape legend: B batch, S source length, T target length, G generated length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+
+from ..model.config import TransformerConfig
+from ..model.language_model import LanguageModel
+from .base import ObjectiveBase, as_model_config, as_optim_config
+from .metrics import CorpusBLEU, IGNORE_INDEX, TokenAverage, token_cross_entropy
+from .optim import OptimConfig
+
+Task = Literal["span", "seq2seq"]
+
+
+class Seq2SeqLM(ObjectiveBase):
+    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
+                 max_steps: int | None = None, *, task: Task = "seq2seq", bytes_per_token: float | None = None,
+                 bleu: bool = False, detokenize: Callable[[list[int]], str] | None = None, bleu_max_batches: int = 4,
+                 generate_kwargs: dict[str, Any] | None = None, peak_flops: float | None = None,
+                 skip_nonfinite: bool = True):
+        """`task` only documents the run (hparams); the loss is the same.
+        `bleu`: decode the first `bleu_max_batches` validation batches with
+        `generate(**generate_kwargs)` (max_new_tokens, num_beams, eos_token_id, pad_token_id,
+        decoder_start_token_id, ...) and log corpus BLEU of `detokenize(ids)` against the labels.
+        `detokenize` is a function, so it is not saved in the hyperparameters: pass it again to
+        load_from_checkpoint."""
+        if task not in ("span", "seq2seq"):
+            raise ValueError(f"task={task!r} is not one of ['span', 'seq2seq']")
+        if bleu and task != "seq2seq":
+            raise ValueError("bleu is for supervised pairs (task='seq2seq'), not span corruption")
+        if bleu and detokenize is None:
+            raise ValueError("bleu=True needs detokenize: a function from token ids to text")
+        _check_generate_kwargs(generate_kwargs or {})
+        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
+        if lm.config.arch != "encoder_decoder":
+            raise ValueError(f"Seq2SeqLM needs model.arch='encoder_decoder', not {lm.config.arch!r}")
+        optim = as_optim_config(optim)
+        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
+                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
+        self.save_hyperparameters({
+            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps, "task": task,
+            "bytes_per_token": bytes_per_token, "bleu": bleu, "bleu_max_batches": bleu_max_batches,
+            "generate_kwargs": dict(generate_kwargs or {}), "peak_flops": peak_flops,
+            "skip_nonfinite": skip_nonfinite,
+        })
+        self.model = lm
+        self.task = task
+        self.bleu = bleu
+        self.detokenize = detokenize
+        self.bleu_max_batches = bleu_max_batches
+        self.generate_kwargs = {"max_new_tokens": 64, **(generate_kwargs or {})}
+        self.eval_metrics["loss"] = TokenAverage()
+        self.eval_metrics["token_accuracy"] = TokenAverage()
+        if bleu:
+            self.eval_metrics["bleu"] = CorpusBLEU()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, decoder_input_ids: torch.Tensor,
+                decoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced decoder logits (B, T, V)."""
+        return self.model(input_ids, attention_mask, decoder_input_ids=decoder_input_ids,
+                          decoder_attention_mask=decoder_attention_mask)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        loss_sum, nll_sum, count, correct = self._terms(batch, self.optim.label_smoothing)
+        n = count.clamp(min=1)
+        mask = batch.get("attention_mask")
+        source_tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        return self.finish_training_step(
+            loss_sum / n, nll_sum / n, batch, flop_tokens=source_tokens, head_positions=count,
+            metrics={"token_accuracy": correct / n},
+        )
+
+    def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        _, nll_sum, count, correct = self._terms(batch, 0.0)
+        self.eval_metrics["loss"].update(nll_sum, count)
+        self.eval_metrics["token_accuracy"].update(correct, count)
+        if self.bleu and batch_idx < self.bleu_max_batches:
+            hypotheses, references = self.translate(batch)
+            self.eval_metrics["bleu"].update(hypotheses, references)
+
+    def eval_compute(self) -> dict[str, float]:
+        out = self.lm_eval_metrics(self.eval_metrics["loss"].compute())
+        out["token_accuracy"] = float(self.eval_metrics["token_accuracy"].compute())
+        if self.bleu:
+            # compute on every rank (it gathers the sums), then keep it only if any batch was decoded
+            bleu = float(self.eval_metrics["bleu"].compute())
+            if bleu == bleu:
+                out["bleu"] = bleu
+        return out
+
+    def translate(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Decode the batch's sources; (hypotheses, references) as detokenized text."""
+        from ..model.generate import generate
+
+        out = generate(self.model, batch["input_ids"], batch.get("attention_mask"), **self.generate_kwargs)
+        eos = self.generate_kwargs.get("eos_token_id")
+        stop = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+        hypotheses = [self.detokenize(_until(row, stop)) for row in out[:, 1:].tolist()]  # (B, G): drop the start
+        references = [self.detokenize(_until([t for t in row if t != IGNORE_INDEX], stop))
+                      for row in batch["labels"].tolist()]
+        return hypotheses, references
+
+    def _terms(self, batch, label_smoothing: float):
+        logits = self(batch["input_ids"], batch.get("attention_mask"), batch["decoder_input_ids"],
+                      batch.get("decoder_attention_mask"))  # (B, T, V)
+        labels = batch["labels"]  # (B, T)
+        V = logits.shape[-1]
+        flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
+        loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing)
+        correct = ((flat_logits.detach().argmax(-1) == flat_labels) & (flat_labels != IGNORE_INDEX)).sum()
+        return loss_sum, nll_sum, count, correct
+
+
+def _check_generate_kwargs(kwargs: dict[str, Any]) -> None:
+    import inspect
+
+    from ..model.config import ConfigError, closest
+    from ..model.generate import generate
+
+    valid = [name for name in inspect.signature(generate).parameters if name not in ("model", "input_ids",
+                                                                                      "attention_mask")]
+    for key in kwargs:
+        if key not in valid:
+            raise ConfigError(f"unknown generate_kwargs key {key!r}{closest(key, valid)}")
+
+
+def _until(ids: list[int], stop: set[int]) -> list[int]:
+    """Token ids up to (not including) the first stop id."""
+    for i, token in enumerate(ids):
+        if token in stop:
+            return ids[:i]
+    return ids
