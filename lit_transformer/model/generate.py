@@ -1,0 +1,367 @@
+"""Autoregressive generation for decoder-only and encoder-decoder models: greedy, sampling
+(temperature, top-k, top-p) and beam search, with or without the KV cache.
+
+`StepDecoder` is the model side of the loop (token buffer, cache, next-token logits); the
+search functions only choose tokens. Decoder-only prompts are left-padded internally so every
+row appends at the same column; positions come from the attention mask, so padding shifts
+nothing. Without the cache every step recomputes the full forward: the baseline the cache is
+measured against (benchmarks/generation.py).
+
+Shape legend: B prompts, N beams per prompt, R = B*N rows the model sees, T prompt length,
+W buffer width (prompt + new tokens), G generated length, V vocabulary, C model width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .language_model import LanguageModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """Everything `generate` needs besides the model and the prompts; validated on creation."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0  # beam score = sum log p / generated_length ** length_penalty (HF)
+    eos_token_id: int | Sequence[int] | None = None
+    pad_token_id: int = 0
+    decoder_start_token_id: int | None = None  # encoder-decoder only; None: pad_token_id (T5)
+    use_cache: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be positive")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be at least 1")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams={self.num_beams} must be at least 1")
+        if self.num_beams > 1 and self.do_sample:
+            raise ValueError("beam search is deterministic here: use num_beams=1 with do_sample=True, "
+                             "or do_sample=False with num_beams>1")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        if isinstance(self.eos_token_id, Sequence) or isinstance(self.eos_token_id, torch.Tensor) \
+                and self.eos_token_id.dim() > 0:
+            return [int(i) for i in self.eos_token_id]
+        return [int(self.eos_token_id)]
+
+
+def left_pad(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int):
+    """Move each row's real tokens to the right end, keeping their order: (B, T) -> (B, T), (B, T).
+    Works for right-, left- or already-left-padded prompts."""
+    mask = attention_mask.bool()
+    order = torch.argsort(mask.long(), dim=1, stable=True)  # padding (0) first, real tokens (1) after
+    mask = mask.gather(1, order)
+    return input_ids.gather(1, order).masked_fill(~mask, pad_token_id), mask
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of every real token counted from the row's first real token; padding gets 0."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
+
+
+def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """Temperature, then top-k, then nucleus (Holtzman et al. 2020) filtering: (R, V) -> (R, V)
+    with removed tokens at -inf. top_p keeps the smallest set of most likely tokens whose
+    probability reaches p; the most likely token is always kept."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (R, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R, V)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # 0 for the top token, so it always survives
+        remove_sorted = mass_before >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)  # back to vocab order
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row (R, V) -> (R,): argmax, or a draw from the filtered distribution."""
+    if not config.do_sample:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, temperature=config.temperature, top_k=config.top_k,
+                          top_p=config.top_p).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class StepDecoder:
+    """The model side of the decoding loop: a pre-allocated token buffer (R, W), the optional
+    KV cache, and next-token logits. Callers choose tokens, `append` them, and `reorder`
+    rows for beam search. Decoder-only: the buffer holds the left-padded prompt then the new
+    tokens. Encoder-decoder: the prompt is encoded once; the buffer holds the decoder tokens."""
+
+    def __init__(self, model: LanguageModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 *, max_new_tokens: int, use_cache: bool = True, pad_token_id: int = 0,
+                 decoder_start_token_id: int | None = None, expand: int = 1):
+        cfg = model.config
+        if cfg.arch == "encoder":
+            raise ValueError("generation needs a decoder; model.arch='encoder' has none "
+                             "(a masked-LM encoder fills masks, it does not write left to right)")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        self.model, self.arch = model, cfg.arch
+        device = model.lm_head.decoder.weight.device
+        input_ids = input_ids.to(device)
+        B, T = input_ids.shape
+        mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                else attention_mask.to(device).bool())
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        real = mask.sum(1)
+        if (real == 0).any():
+            raise ValueError(f"prompt rows {torch.nonzero(real == 0)[:, 0].tolist()} have no real token")
+        self.padded = not bool(mask.all())  # no padding: the fused causal kernel, no bias tensor
+        self.memory = self.memory_mask = self.mask = self.positions = None
+        if cfg.arch == "decoder":
+            needed = int(real.max()) + max_new_tokens
+            if cfg.position == "learned" and needed > cfg.max_seq_len:
+                raise ValueError(f"longest prompt ({int(real.max())}) + max_new_tokens ({max_new_tokens}) = {needed} "
+                                 f"exceeds model.max_seq_len={cfg.max_seq_len} (learned positions)")
+            ids, mask = left_pad(input_ids, mask, pad_token_id)
+            width = T + max_new_tokens
+            self.ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)  # (B, W)
+            self.ids[:, :T] = ids
+            self.mask = torch.ones(B, width, dtype=torch.bool, device=device)
+            self.mask[:, :T] = mask
+            prompt_positions = positions_from_mask(mask)  # (B, T)
+            new_positions = prompt_positions[:, -1:] + 1 + torch.arange(max_new_tokens, device=device)  # (B, G)
+            self.positions = torch.cat((prompt_positions, new_positions), dim=1)  # (B, W)
+            self.prompt_length = T
+        else:
+            if cfg.position == "learned" and 1 + max_new_tokens > cfg.max_seq_len:
+                raise ValueError(f"1 + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len={cfg.max_seq_len} "
+                                 "(learned decoder positions)")
+            # Positions from the mask make the encoder indifferent to the padding side; for
+            # right padding they equal the arange used in training.
+            self.memory = model.transformer.encode(input_ids, mask if self.padded else None,
+                                                   position_ids=positions_from_mask(mask))  # (B, T, C)
+            self.memory_mask = mask if self.padded else None
+            width = 1 + max_new_tokens
+            start = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
+            self.ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)
+            self.ids[:, 0] = start
+            self.prompt_length = 1
+        if expand > 1:  # beam search: N copies of every row, rows b*N .. b*N+N-1
+            for name in ("ids", "mask", "positions", "memory", "memory_mask"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.repeat_interleave(expand, dim=0))
+        self.length = self.prompt_length
+        self.cache = model.transformer.new_cache(B * expand, capacity=width) if use_cache else None
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return self.ids[:, :self.length]  # (R, T + G)
+
+    def next_logits(self) -> torch.Tensor:
+        """Float32 logits (R, V) for the token after the current sequences. With the cache only
+        the tokens not yet cached go through the model (the prompt first, then one per step)."""
+        start = self.cache.length if self.cache is not None else 0
+        ids = self.ids[:, start:self.length]
+        mask = positions = None
+        if self.arch == "decoder":
+            positions = self.positions[:, start:self.length]
+            # With a cache the mask covers only the new tokens (the cache keeps the rest).
+            if self.padded and (self.cache is None or start == 0):
+                mask = self.mask[:, :self.length]
+        hidden = self.model.transformer.decode(ids, mask, memory=self.memory, memory_mask=self.memory_mask,
+                                               position_ids=positions, cache=self.cache)  # (R, t, C)
+        return self.model.lm_head(hidden[:, -1:])[:, 0].float()  # only the last position: (R, V)
+
+    def append(self, tokens: torch.Tensor) -> None:
+        self.ids[:, self.length] = tokens
+        self.length += 1
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (R,). Beam search only moves rows within a prompt's group, whose
+        encoder memory is identical, so memory stays as it is."""
+        self.ids = self.ids.index_select(0, index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
+            self.positions = self.positions.index_select(0, index)
+        if self.cache is not None:
+            self.cache.reorder(index)
+
+
+def generate(
+    model: LanguageModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    decoder_start_token_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Continue the prompts input_ids (B, T) (padding marked 0 in attention_mask, either side).
+
+    Decoder-only: returns (B, T + G), the left-padded prompt then the new tokens.
+    Encoder-decoder: returns (B, 1 + G), the decoder start token then the new tokens.
+    After a row's eos, and for rows shorter than the longest, the rest is pad_token_id.
+    temperature, top_k and top_p apply only with do_sample=True. Runs in eval mode (dropout
+    off) and restores the model's mode afterwards. A generator for sampling must live on the
+    model's device.
+    """
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        decoder_start_token_id=decoder_start_token_id, use_cache=use_cache,
+    )
+    return generate_with(model, input_ids, attention_mask, config, generator=generator)
+
+
+@torch.inference_mode()
+def generate_with(model: LanguageModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                  config: GenerationConfig, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`generate` with the options in a GenerationConfig (e.g. built from a recipe)."""
+    was_training = model.training
+    model.eval()
+    try:
+        decoder = StepDecoder(
+            model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, use_cache=config.use_cache,
+            pad_token_id=config.pad_token_id, decoder_start_token_id=config.decoder_start_token_id,
+            expand=config.num_beams,
+        )
+        if config.num_beams > 1:
+            return beam_search(decoder, config)
+        return _sample_loop(decoder, config, generator)
+    finally:
+        model.train(was_training)
+
+
+def _sample_loop(decoder: StepDecoder, config: GenerationConfig, generator: torch.Generator | None):
+    """Greedy or sampling: one token per row per step; finished rows emit pad."""
+    eos = torch.tensor(config.eos_ids, device=decoder.ids.device) if config.eos_ids else None
+    finished = torch.zeros(decoder.ids.shape[0], dtype=torch.bool, device=decoder.ids.device)  # (B,)
+    for _ in range(config.max_new_tokens):
+        tokens = sample_next(decoder.next_logits(), config, generator)  # (B,)
+        if eos is not None:
+            tokens = tokens.masked_fill(finished, config.pad_token_id)
+            finished |= torch.isin(tokens, eos)
+        decoder.append(tokens)
+        if eos is not None and bool(finished.all()):  # one host sync per step, as in HF
+            break
+    return decoder.sequences.clone()
+
+
+def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
+    """Beam search over a StepDecoder built with expand=num_beams; the best hypothesis per prompt.
+
+    Follows the HF convention: candidates are the top (1 + #eos) * N continuations of all
+    beams; an eos candidate ranked within the top N becomes a finished hypothesis with score
+    sum log p / generated_length ** length_penalty (eos counted); the best N non-eos candidates
+    continue. A prompt is done when it holds N finished hypotheses and no running beam can
+    still beat the worst of them: with length_penalty > 0 a beam is bounded by its score
+    divided by max_new_tokens ** length_penalty, otherwise by its current length (HF's
+    early_stopping="never", which is exact rather than heuristic). tests/test_generate.py checks
+    token-for-token parity with transformers' generate for GPT-2, LLaMA and T5.
+    """
+    N, G, lp = config.num_beams, config.max_new_tokens, config.length_penalty
+    R, device = decoder.ids.shape[0], decoder.ids.device
+    B = R // N
+    eos = torch.tensor(config.eos_ids, device=device) if config.eos_ids else None
+    neg_inf = float("-inf")
+    scores = torch.zeros(B, N, device=device)  # running beams' summed log-probabilities
+    scores[:, 1:] = neg_inf  # all beams start identical: expand only the first one at step 0
+    tokens = torch.full((B, N, G), config.pad_token_id, dtype=torch.long, device=device)  # running beams
+    fin_scores = torch.full((B, N), neg_inf, device=device)  # best N finished hypotheses per prompt
+    fin_tokens = tokens.clone()
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    offset = torch.arange(B, device=device)[:, None] * N  # (B, 1): first row of each group
+    is_top = None
+    length = 0
+    for step in range(G):
+        length = step + 1
+        logp = decoder.next_logits().log_softmax(-1)  # (R, V)
+        V = logp.shape[-1]
+        logp = logp.view(B, N, V) + scores[..., None]  # (B, N, V)
+        n_cand = min((1 + len(config.eos_ids)) * N, N * V)  # enough that N non-eos survive
+        cand_scores, flat = logp.view(B, N * V).topk(n_cand, dim=-1)  # (B, 2N)
+        cand_beam, cand_tok = flat // V, flat % V
+        cand_tokens = tokens.gather(1, cand_beam[..., None].expand(-1, -1, G)).clone()  # (B, 2N, G)
+        cand_tokens[:, :, step] = cand_tok
+        running = cand_scores
+        if eos is not None:
+            is_eos = torch.isin(cand_tok, eos)  # (B, 2N)
+            if is_top is None:
+                is_top = torch.arange(n_cand, device=device) < N
+            new = is_eos & is_top & ~done[:, None]
+            new_scores = torch.where(new, cand_scores / length ** lp, neg_inf)
+            fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, new_scores, cand_tokens, N)
+            running = cand_scores.masked_fill(is_eos, neg_inf)
+        scores, keep = running.topk(N, dim=-1)  # (B, N), sorted: scores[:, 0] is the best beam
+        parent = cand_beam.gather(1, keep)
+        tokens = cand_tokens.gather(1, keep[..., None].expand(-1, -1, G))  # (B, N, G)
+        if length == G:
+            break
+        if eos is not None:
+            horizon = G if lp > 0 else length
+            full = torch.isfinite(fin_scores).all(1)
+            done |= full & (scores[:, 0] / horizon ** lp <= fin_scores.min(1).values)
+            if bool(done.all()):
+                break
+        decoder.reorder((parent + offset).view(-1))
+        decoder.append(cand_tok.gather(1, keep).view(-1))
+    # Prompts still searching when the budget ran out finish with their running beams.
+    open_scores = torch.where(done[:, None], neg_inf, scores / length ** lp)
+    fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, open_scores, tokens, N)
+    best = fin_tokens[torch.arange(B, device=device), fin_scores.argmax(1)]  # (B, G), pad after eos
+    generated = best[:, :length]
+    if eos is not None:  # trim columns where every row is already padding after its eos
+        ends = _lengths_after_eos(generated, eos)
+        generated = generated[:, :int(ends.max())]
+    prompt = decoder.ids[::N, :decoder.prompt_length]  # (B, T): identical within a group
+    return torch.cat((prompt, generated), dim=1)
+
+
+def _keep_best(scores, tokens, new_scores, new_tokens, n: int):
+    """Merge (B, n) kept and (B, M) new hypotheses, keep the best n."""
+    merged = torch.cat((scores, new_scores), dim=1)  # (B, n + M)
+    top, index = merged.topk(n, dim=-1)
+    G = tokens.shape[-1]
+    kept = torch.cat((tokens, new_tokens), dim=1).gather(1, index[..., None].expand(-1, -1, G))  # (B, n, G)
+    return top, kept
+
+
+def _lengths_after_eos(generated: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Generated length per row counting the first eos, or the full width without one: (B, G) -> (B,)."""
+    G = generated.shape[1]
+    hit = torch.isin(generated, eos)
+    first = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], G - 1, dtype=torch.long))
+    return first + 1
+
+
+__all__ = [
+    "GenerationConfig", "StepDecoder", "beam_search", "filter_logits", "generate", "generate_with", "left_pad",
+    "positions_from_mask", "sample_next",
+]
