@@ -1,0 +1,186 @@
+"""Collators: lists of examples -> dicts of tensors, with explicit randomness.
+
+Every collator is called as `collator(examples, generator)`; the same examples and a generator
+in the same state give the same batch. The data module seeds one generator per batch from
+(seed, epoch, rank, batch index), so a resumed run draws exactly the masks it would have.
+
+Batch keys (B batch, T length; training code relies on these names):
+- mlm:      input_ids (B,T), attention_mask (B,T) 1 = real token, labels (B,T) -100 = not predicted
+- clm:      input_ids (B,T), attention_mask (B,T), labels (B,T): labels[t] = token after input_ids[t]
+- span:     see span.py (input_ids, attention_mask, labels, decoder_input_ids, decoder_attention_mask)
+- seq2seq:  input_ids, attention_mask (B,S); decoder_input_ids, decoder_attention_mask, labels (B,T)
+- classify: input_ids, attention_mask, token_type_ids (B,T); labels (B,) long | (B,K) float | (B,) float
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from lit_transformer.data.errors import DataError
+from lit_transformer.data.tokenizer import SpecialTokens, tokenizer_kind
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+
+
+def batch_generator(*keys: int) -> torch.Generator:
+    """A torch generator seeded by a stable hash of integer keys (seed, epoch, rank, batch)."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
+
+
+def pad(seqs: Sequence, value: int, dtype=torch.long) -> torch.Tensor:
+    """Right-pad 1-D sequences into (B, max length)."""
+    length = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), length), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=dtype)
+    return out
+
+
+def _lengths_mask(seqs: Sequence, length: int) -> torch.Tensor:
+    lens = torch.tensor([len(s) for s in seqs])
+    return (torch.arange(length)[None, :] < lens[:, None]).long()  # (B, T)
+
+
+def word_start_table(tokenizer) -> torch.Tensor:
+    """(V,) bool: does this token begin a word? For whole-word masking.
+
+    WordPiece marks continuations with '##'; byte-level BPE marks a word start with a leading
+    space 'Ġ' (newline 'Ċ' and tab 'ĉ' also start one); Metaspace (SentencePiece) with '▁'.
+    Any other tokenizer: every token is its own word.
+    """
+    kind = tokenizer_kind(tokenizer)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    table = torch.ones(tokenizer.get_vocab_size(with_added_tokens=True), dtype=torch.bool)
+    if kind["model"] == "WordPiece":
+        rule = lambda tok: not tok.startswith("##")  # noqa: E731
+    elif "ByteLevel" in kind["pre_tokenizers"]:
+        rule = lambda tok: tok[:1] in ("Ġ", "Ċ", "ĉ")  # noqa: E731
+    elif "Metaspace" in kind["pre_tokenizers"]:
+        rule = lambda tok: tok.startswith("▁")  # noqa: E731
+    else:
+        return table
+    for tok, i in vocab.items():
+        if i < len(table):
+            table[i] = rule(tok)
+    for added in tokenizer.get_added_tokens_decoder().values():  # special tokens are words of their own
+        i = tokenizer.token_to_id(added.content)
+        if i is not None and i < len(table):
+            table[i] = True
+    return table
+
+
+class MLMCollator:
+    """BERT masking (Devlin et al. 2019, 3.1): select `probability` of the eligible tokens;
+    of those, `mask_replace_prob` become the mask token, `random_replace_prob` a random
+    non-special token, the rest stay. Special tokens and padding are never selected."""
+
+    def __init__(self, *, special: SpecialTokens, vocab_size: int, probability: float = 0.15,
+                 mask_replace_prob: float = 0.8, random_replace_prob: float = 0.1,
+                 word_starts: Optional[torch.Tensor] = None):
+        if special.mask_id is None:
+            raise DataError("masked LM needs a mask token ([MASK] or <mask>) in the tokenizer")
+        self.special = special
+        self.probability = probability
+        self.mask_replace_prob = mask_replace_prob
+        self.random_replace_prob = random_replace_prob
+        self.word_starts = word_starts  # None: token-level masking
+        never = sorted(special.never_masked())
+        self.never = torch.tensor(never, dtype=torch.long)
+        keep = torch.ones(vocab_size, dtype=torch.bool)
+        keep[self.never[self.never < vocab_size]] = False
+        self.random_ids = torch.nonzero(keep).squeeze(1)  # (V',) candidates for random replacement
+        self.pad_id = special.pad_id if special.pad_id is not None else 0
+
+    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        ids = pad(examples, self.pad_id)  # (B, T)
+        attention_mask = _lengths_mask(examples, ids.shape[1])  # (B, T)
+        eligible = attention_mask.bool() & ~torch.isin(ids, self.never)
+        if self.word_starts is not None:
+            starts = self.word_starts[ids] | ~eligible
+            starts[:, 1:] |= ~eligible[:, :-1]  # a word never continues across a special token
+            word = torch.cumsum(starts.long(), dim=1)  # (B, T) word index, 1-based
+            pick = torch.rand(ids.shape[0], ids.shape[1] + 1, generator=gen) < self.probability  # (B, T+1) per word
+            selected = pick.gather(1, word) & eligible
+        else:
+            selected = (torch.rand(ids.shape, generator=gen) < self.probability) & eligible
+        labels = torch.where(selected, ids, torch.full_like(ids, IGNORE_INDEX))
+        r = torch.rand(ids.shape, generator=gen)
+        to_mask = selected & (r < self.mask_replace_prob)
+        to_random = selected & (r >= self.mask_replace_prob) & (r < self.mask_replace_prob + self.random_replace_prob)
+        random_tokens = self.random_ids[torch.randint(len(self.random_ids), ids.shape, generator=gen)]
+        input_ids = ids.clone()
+        input_ids[to_mask] = self.special.mask_id
+        input_ids[to_random] = random_tokens[to_random]
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+class CLMCollator:
+    """Blocks of T+1 tokens -> inputs tokens[:-1], labels tokens[1:] (already shifted)."""
+
+    def __init__(self, *, special: SpecialTokens):
+        self.pad_id = special.pad_id if special.pad_id is not None else 0
+
+    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+        ids = pad(examples, self.pad_id)  # (B, T+1)
+        real = _lengths_mask(examples, ids.shape[1])  # (B, T+1)
+        labels = ids[:, 1:].masked_fill(real[:, 1:] == 0, IGNORE_INDEX)  # (B, T)
+        return {"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "labels": labels}
+
+
+class Seq2SeqCollator:
+    """(source ids, target ids), both ending in eos -> encoder inputs, teacher-forced decoder inputs."""
+
+    def __init__(self, *, special: SpecialTokens):
+        if special.pad_id is None:
+            raise DataError("seq2seq needs a pad token ([PAD] or <pad>) in the tokenizer")
+        self.pad_id = special.pad_id
+        self.start_id = special.decoder_start_id
+
+    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+        sources = [ex[0] for ex in examples]
+        targets = [ex[1] for ex in examples]
+        input_ids = pad(sources, self.pad_id)  # (B, S)
+        target = pad(targets, self.pad_id)  # (B, T)
+        decoder_mask = _lengths_mask(targets, target.shape[1])  # (B, T)
+        start = torch.full((len(examples), 1), self.start_id, dtype=torch.long)
+        decoder_input_ids = torch.cat([start, target[:, :-1]], dim=1)  # (B, T)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": _lengths_mask(sources, input_ids.shape[1]),
+            "decoder_input_ids": decoder_input_ids,
+            "decoder_attention_mask": decoder_mask,
+            "labels": target.masked_fill(decoder_mask == 0, IGNORE_INDEX),
+        }
+
+
+class ClassifyCollator:
+    """{'ids', 'type_ids', 'label'} examples -> padded batch; labels by task."""
+
+    def __init__(self, *, special: SpecialTokens, task: str = "single_label"):
+        if special.pad_id is None:
+            raise DataError("classification needs a pad token ([PAD] or <pad>) in the tokenizer")
+        self.pad_id = special.pad_id
+        self.task = task
+
+    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+        ids = [ex["ids"] for ex in examples]
+        input_ids = pad(ids, self.pad_id)  # (B, T)
+        labels = [ex["label"] for ex in examples]
+        if self.task == "single_label":
+            label_tensor = torch.tensor(np.asarray(labels), dtype=torch.long)  # (B,)
+        elif self.task == "multi_label":
+            label_tensor = torch.tensor(np.stack(labels), dtype=torch.float32)  # (B, K) multi-hot
+        else:
+            label_tensor = torch.tensor(np.asarray(labels), dtype=torch.float32)  # (B,)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": _lengths_mask(ids, input_ids.shape[1]),
+            "token_type_ids": pad([ex["type_ids"] for ex in examples], 0),
+            "labels": label_tensor,
+        }

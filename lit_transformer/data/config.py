@@ -1,0 +1,150 @@
+"""Typed settings of the data pipeline: `DataConfig` and `TokenizerConfig`.
+
+Both are plain dataclasses that `OmegaConf.structured` accepts (omegaconf 2.4 validates
+`Literal` fields itself; `__post_init__` checks them again for direct construction). An
+empty `train_files` (with no `hub_name` and no `source_files`) selects the embedded corpus
+or task built from the Python standard library (see `stdlib.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional, get_args
+
+from lit_transformer.data.errors import DataError, closest
+
+Objective = Literal["mlm", "clm", "span", "seq2seq", "classify"]
+OBJECTIVES = get_args(Objective)
+LM_OBJECTIVES = ("mlm", "clm", "span")
+
+Format = Literal["auto", "text", "jsonl", "json", "csv", "tsv", "parquet"]
+TextFormat = Literal["lines", "paragraphs", "file"]
+Task = Literal["single_label", "multi_label", "regression"]
+TokenizerKind = Literal["bpe", "wordpiece", "unigram"]
+
+
+@dataclass
+class DataConfig:
+    # Corpus: files, globs or directories. Empty everywhere: the embedded stdlib corpus/task.
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    test_files: list[str] = field(default_factory=list)  # classify / seq2seq evaluation
+    format: Format = "auto"  # auto: from each file's extension (.txt, .jsonl, .csv, ...)
+    # .txt: one document per non-blank line, per blank-line separated paragraph, or per file
+    text_format: TextFormat = "paragraphs"
+    text_column: str = "text"
+    text_pair_column: Optional[str] = None  # classify: second segment of a pair
+    label_column: str = "label"
+    source_column: str = "source"  # seq2seq from jsonl/csv/tsv/parquet
+    target_column: str = "target"
+    source_files: list[str] = field(default_factory=list)  # seq2seq from aligned text files
+    target_files: list[str] = field(default_factory=list)
+    val_source_files: list[str] = field(default_factory=list)
+    val_target_files: list[str] = field(default_factory=list)
+    hub_name: Optional[str] = None  # a datasets hub name; needs network
+    hub_config: Optional[str] = None
+    hub_train_split: str = "train"
+    hub_val_split: Optional[str] = "validation"
+    task: Task = "single_label"  # classify only
+    val_fraction: float = 0.02  # held out by a stable text hash when val_files is empty
+    max_documents: Optional[int] = None  # cap on training documents (tiny recipes)
+    max_train_bytes: Optional[int] = None  # cap on training UTF-8 bytes (tiny recipes)
+    max_val_bytes: Optional[int] = None
+    max_line_bytes: int = 1 << 20  # a longer line is skipped and counted (corpus.py)
+    streaming: bool = False  # tokenize and pack on the fly, no token cache (LM objectives)
+    shuffle_buffer: int = 1024  # streaming: blocks held for shuffling
+    block_size: int = 128  # LM objectives: tokens per example (span: encoder input length)
+    max_length: int = 128  # classify / seq2seq source truncation
+    max_target_length: int = 128  # seq2seq target truncation
+    mlm_probability: float = 0.15  # BERT (Devlin et al. 2019, 3.1)
+    mask_replace_prob: float = 0.8  # of the selected tokens: [MASK] ...
+    random_replace_prob: float = 0.1  # ... a random token; the rest stay unchanged
+    whole_word_mask: bool = False
+    noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
+    mean_span_length: float = 3.0
+    batch_size: int = 32
+    eval_batch_size: Optional[int] = None  # None: batch_size
+    shuffle: bool = True
+    num_workers: int = 0
+    num_proc: Optional[int] = None  # processes datasets uses to read jsonl/csv/parquet
+    cache_dir: Optional[str] = None  # None: $LIT_TRANSFORMER_CACHE or ~/.cache/lit_transformer
+
+    def __post_init__(self):
+        _check_choice("data.format", self.format, get_args(Format))
+        _check_choice("data.text_format", self.text_format, get_args(TextFormat))
+        _check_choice("data.task", self.task, get_args(Task))
+        for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes",
+                     "shuffle_buffer"):
+            _check_positive(f"data.{name}", getattr(self, name))
+        for name in ("max_documents", "max_train_bytes", "max_val_bytes", "eval_batch_size", "num_proc"):
+            if getattr(self, name) is not None:
+                _check_positive(f"data.{name}", getattr(self, name))
+        if self.num_workers < 0:
+            raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
+        for name in ("val_fraction", "mlm_probability", "mask_replace_prob", "random_replace_prob",
+                     "noise_density"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise DataError(f"data.{name}={value} must be in [0, 1)")
+        if self.mask_replace_prob + self.random_replace_prob > 1.0:
+            raise DataError(
+                f"data.mask_replace_prob + data.random_replace_prob = "
+                f"{self.mask_replace_prob + self.random_replace_prob} exceeds 1"
+            )
+        if self.mean_span_length < 1.0:
+            raise DataError(f"data.mean_span_length={self.mean_span_length} must be >= 1")
+        if len(self.source_files) != len(self.target_files):
+            raise DataError(
+                f"data.source_files has {len(self.source_files)} entries but data.target_files has "
+                f"{len(self.target_files)}; they must pair up one to one"
+            )
+        if len(self.val_source_files) != len(self.val_target_files):
+            raise DataError(
+                f"data.val_source_files has {len(self.val_source_files)} entries but "
+                f"data.val_target_files has {len(self.val_target_files)}"
+            )
+
+
+@dataclass
+class TokenizerConfig:
+    path: Optional[str] = None  # an existing tokenizer.json; None: train one on the training split
+    kind: TokenizerKind = "bpe"  # bpe: GPT-2 byte-level; wordpiece: BERT; unigram: T5
+    vocab_size: int = 8000
+    min_frequency: int = 2
+    num_sentinels: int = 100  # T5 <extra_id_0> ... <extra_id_99>
+    lowercase: bool = False  # wordpiece and unigram normalisers
+    max_train_bytes: Optional[int] = None  # text fed to the tokenizer trainer
+
+    def __post_init__(self):
+        _check_choice("tokenizer.kind", self.kind, get_args(TokenizerKind))
+        _check_positive("tokenizer.vocab_size", self.vocab_size)
+        _check_positive("tokenizer.min_frequency", self.min_frequency)
+        if self.num_sentinels < 0:
+            raise DataError(f"tokenizer.num_sentinels={self.num_sentinels} must be >= 0")
+        if self.max_train_bytes is not None:
+            _check_positive("tokenizer.max_train_bytes", self.max_train_bytes)
+
+
+def check_objective(objective: str) -> str:
+    _check_choice("objective", objective, OBJECTIVES)
+    return objective
+
+
+def from_dict(cls, values: Mapping[str, Any], prefix: str):
+    """Build `cls` from a mapping; an unknown key is an error naming it and the closest key."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            raise DataError(f"unknown key {prefix}.{key}{closest(key, names)}")
+    return cls(**values)
+
+
+def _check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise DataError(f"{name}={value!r} is not one of {list(allowed)}{closest(str(value), allowed)}")
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise DataError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,240 @@
+"""`TextDataModule`: one LightningDataModule for every objective.
+
+- `prepare_data` (local rank 0): trains or loads the tokenizer and fills the token cache.
+- `setup` (every rank): opens the cache by memory map; tokenizes nothing.
+- dataloaders yield collated batches; each batch's collator generator is seeded by
+  (seed, epoch, rank, batch index), so the masks do not depend on workers or on resuming.
+- `state_dict` holds (epoch, batches consumed in it); Lightning saves it in checkpoints and
+  restores it before building dataloaders, and the sampler then skips exactly those batches.
+  Consumed batches are counted in `on_before_batch_transfer`, which Lightning calls once per
+  training batch it actually uses (prefetched batches are not counted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMCollator, Seq2SeqCollator,
+                                          batch_generator, word_start_table)
+from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objective
+from lit_transformer.data.pack import LMBlocks, RaggedExamples
+from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
+from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.span import SpanCorruptionCollator
+from lit_transformer.data.streaming import StreamingBlocks, estimate_bytes_per_token
+
+
+class _CollatedBatches(torch.utils.data.Dataset):
+    """Map-style dataset whose keys are sampler batches: (epoch, batch index, example indices)."""
+
+    def __init__(self, examples, collator: Callable, seed: int, rank: int):
+        self.examples, self.collator, self.seed, self.rank = examples, collator, seed, rank
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, key) -> dict:
+        epoch, index, indices = key
+        return self.collator([self.examples[i] for i in indices], batch_generator(self.seed, epoch, self.rank, index))
+
+
+class _EpochLoader(DataLoader):
+    """A DataLoader that asks its data module for the epoch each time iteration starts.
+
+    Its state is the data module's position, so Lightning also sees it as resumable (and does
+    not warn that a mid-epoch resume is unreliable)."""
+
+    def __init__(self, *args, owner: "TextDataModule", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def __iter__(self):
+        self._owner._begin_train_epoch()
+        return super().__iter__()
+
+    def state_dict(self) -> dict:
+        return self._owner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._owner.load_state_dict(state)
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(self, data: DataConfig, tokenizer: TokenizerConfig, objective: str, *, seed: int = 0,
+                 run_dir: Optional[str] = None, model_vocab_size: Optional[int] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None):
+        super().__init__()
+        self.data, self.tokenizer_cfg, self.objective = data, tokenizer, check_objective(objective)
+        self.seed, self.run_dir, self.model_vocab_size = seed, run_dir, model_vocab_size
+        self._rank, self._world = rank, world_size
+        self._prepared: Optional[Prepared] = None
+        self._datasets: dict = {}
+        self._train_sampler: Optional[ResumableBatchSampler] = None
+        self._train_stream: Optional[StreamingBlocks] = None
+        self._epoch = 0  # epoch of the current (or next) training iteration
+        self._consumed = 0  # training batches of that epoch used so far
+        self._resume: Optional[tuple[int, int]] = None
+        self._next_epoch = 0  # without a trainer: epochs count iterations of the train loader
+        self._stream_bytes_per_token: Optional[float] = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def prepare_data(self) -> None:
+        prepared = build(self.data, self.tokenizer_cfg, self.objective, build=True,
+                         model_vocab_size=self.model_vocab_size)
+        if self.run_dir is not None:
+            write_run_files(prepared, self.run_dir, self.data.task)
+        self._prepared = prepared  # this process's setup needs nothing more
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self._prepared is None:
+            # a single process may build what is missing; other ranks rely on prepare_data
+            self._prepared = build(self.data, self.tokenizer_cfg, self.objective, build=self.world_size == 1,
+                                   model_vocab_size=self.model_vocab_size)
+            if self.run_dir is not None and self.rank == 0 and not (Path(self.run_dir) / "tokenizer.json").exists():
+                write_run_files(self._prepared, self.run_dir, self.data.task)
+        self.collator = self._make_collator()
+        for split, entry in self._prepared.entries.items():
+            self._datasets[split] = LMBlocks(entry) if entry.meta["kind"] == "lm" else RaggedExamples(entry)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self):
+        return self._loader("validation", train=False) if "validation" in self._prepared.sources else []
+
+    def test_dataloader(self):
+        return self._loader("test", train=False) if "test" in self._prepared.sources else []
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "batches": self._consumed, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume = (int(state["epoch"]), int(state["batches"]))
+        self._epoch, self._consumed = self._resume
+        self._next_epoch = self._resume[0]
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        if self.trainer is None or self.trainer.training:
+            self._consumed += 1
+        return batch
+
+    # ------------------------------------------------------------------ what training needs
+
+    @property
+    def tokenizer(self):
+        return self._ready().tokenizer
+
+    @property
+    def special_tokens(self):
+        return self._ready().special
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def label_names(self) -> Optional[list]:
+        return self._ready().label_names
+
+    @property
+    def num_labels(self) -> Optional[int]:
+        if self.objective != "classify":
+            return None
+        return 1 if self.data.task == "regression" else len(self.label_names or [])
+
+    @property
+    def bytes_per_token(self) -> Optional[float]:
+        """Validation UTF-8 bytes per token (separators included): bits/byte = loss / ln 2 / this."""
+        prepared = self._ready()
+        entry = prepared.entries.get("validation")
+        if entry is not None:
+            return entry.meta["bytes"] / entry.meta["tokens"]
+        if "validation" not in prepared.sources:
+            return None
+        if self._stream_bytes_per_token is None:  # streaming: measure on the first ~1 MB
+            self._stream_bytes_per_token = estimate_bytes_per_token(
+                prepared.sources["validation"], prepared.tokenizer, prepared.special.separator_id)
+        return self._stream_bytes_per_token
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        if self.trainer is not None:
+            return self.trainer.global_rank
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world is not None:
+            return self._world
+        if self.trainer is not None:
+            return self.trainer.world_size
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    # ------------------------------------------------------------------ internals
+
+    def _ready(self) -> Prepared:
+        if self._prepared is None:
+            self.setup()
+        return self._prepared
+
+    def _make_collator(self) -> Callable:
+        sp, cfg, tok = self._prepared.special, self.data, self._prepared.tokenizer
+        if self.objective == "mlm":
+            return MLMCollator(special=sp, vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                               probability=cfg.mlm_probability, mask_replace_prob=cfg.mask_replace_prob,
+                               random_replace_prob=cfg.random_replace_prob,
+                               word_starts=word_start_table(tok) if cfg.whole_word_mask else None)
+        if self.objective == "clm":
+            return CLMCollator(special=sp)
+        if self.objective == "span":
+            return SpanCorruptionCollator(block_size=cfg.block_size, sentinel_ids=sp.sentinel_ids, eos_id=sp.eos_id,
+                                          decoder_start_id=sp.decoder_start_id, noise_density=cfg.noise_density,
+                                          mean_span_length=cfg.mean_span_length)
+        if self.objective == "seq2seq":
+            return Seq2SeqCollator(special=sp)
+        return ClassifyCollator(special=sp, task=cfg.task)
+
+    def _begin_train_epoch(self) -> None:
+        epoch = self.trainer.current_epoch if self.trainer is not None else self._next_epoch
+        self._next_epoch = epoch + 1
+        skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._resume = None
+        self._epoch, self._consumed = epoch, skip
+        if self._train_sampler is not None:
+            self._train_sampler.set_epoch(epoch)
+            self._train_sampler.resume(epoch, skip)
+        if self._train_stream is not None:
+            self._train_stream.set_epoch(epoch, skip)
+
+    def _loader(self, split: str, *, train: bool) -> DataLoader:
+        self._ready()
+        cfg = self.data
+        batch_size = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
+        kwargs = dict(batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+        if cfg.streaming:
+            block_len, stride = block_params(self.objective, cfg)
+            stream = StreamingBlocks(
+                self._prepared.sources[split], self._prepared.tokenizer.to_str(), self._prepared.special.separator_id,
+                block_len=block_len, stride=stride, batch_size=batch_size, collator=self.collator, seed=self.seed,
+                rank=self.rank, world_size=self.world_size, shuffle=train and cfg.shuffle,
+                shuffle_buffer=cfg.shuffle_buffer, drop_last=train)
+            if not train:
+                return DataLoader(stream, **kwargs)
+            self._train_stream = stream
+            return _EpochLoader(stream, owner=self, **kwargs)
+        examples = self._datasets[split]
+        sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
+                                        drop_last=train, rank=self.rank, world_size=self.world_size)
+        dataset = _CollatedBatches(examples, self.collator, self.seed, self.rank)
+        if not train:
+            return DataLoader(dataset, sampler=sampler, **kwargs)
+        self._train_sampler = sampler
+        return _EpochLoader(dataset, sampler=sampler, owner=self, **kwargs)

@@ -1,0 +1,132 @@
+"""T5 span corruption (Raffel et al. 2020, section 3.1.4; the "random spans" noise of the T5 code).
+
+A raw block of `raw_length` tokens is split into alternating non-noise / noise spans, starting
+with non-noise. The encoder input keeps the non-noise tokens and puts sentinel i where noise
+span i was; the target lists sentinel i followed by noise span i, for every span, then eos:
+
+    raw      a b c d e f g h i
+    mask     . . x x . . . x .          (x = noise)
+    input    a b <0> e f g <1> i </s>
+    target   <0> c d <1> h </s>
+
+`span_lengths(L)` finds the longest raw length whose input is exactly L tokens, so packed raw
+blocks of that length give fixed-size encoder inputs and targets (T5's
+`compute_input_and_target_lengths`, reimplemented here from its description).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from lit_transformer.data.errors import DataError
+
+
+@dataclass(frozen=True)
+class SpanLengths:
+    raw_length: int  # tokens taken from the packed stream per example
+    input_length: int  # encoder input, eos included
+    target_length: int  # labels, eos included
+    noise_tokens: int
+    noise_spans: int
+
+
+def _lengths(raw: int, density: float, mean_span: float) -> SpanLengths:
+    noise = min(max(int(round(raw * density)), 1), raw - 1)  # at least one of each kind
+    spans = max(int(round(noise / mean_span)), 1)
+    return SpanLengths(raw, raw - noise + spans + 1, noise + spans + 1, noise, spans)
+
+
+def span_lengths(input_length: int, noise_density: float = 0.15, mean_span_length: float = 3.0) -> SpanLengths:
+    """The longest raw block whose corrupted encoder input has exactly `input_length` tokens."""
+    if input_length < 4:
+        raise DataError(f"data.block_size={input_length} is too short for span corruption (need >= 4)")
+    if not 0.0 < noise_density < 1.0:
+        raise DataError(f"data.noise_density={noise_density} must be in (0, 1) for span corruption")
+    raw = 2
+    # the input length grows by 0 or 1 per raw token, so the search lands on input_length exactly
+    while _lengths(raw + 1, noise_density, mean_span_length).input_length <= input_length:
+        raw += 1
+    out = _lengths(raw, noise_density, mean_span_length)
+    if out.input_length != input_length or out.raw_length - out.noise_tokens < out.noise_spans:
+        raise DataError(
+            f"span corruption cannot give inputs of exactly data.block_size={input_length} tokens with "
+            f"data.noise_density={noise_density}, data.mean_span_length={mean_span_length}"
+        )
+    return out
+
+
+def _segment(total: int, parts: int, rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random composition of `total` into `parts` positive lengths."""
+    if parts == 1:
+        return np.array([total])
+    cuts = np.sort(rng.choice(total - 1, size=parts - 1, replace=False)) + 1
+    return np.diff(np.concatenate([[0], cuts, [total]]))
+
+
+def noise_mask(lengths: SpanLengths, rng: np.random.Generator) -> np.ndarray:
+    """(raw_length,) bool: True on noise tokens, exactly `noise_spans` spans, never first."""
+    noise = _segment(lengths.noise_tokens, lengths.noise_spans, rng)
+    keep = _segment(lengths.raw_length - lengths.noise_tokens, lengths.noise_spans, rng)
+    runs = np.stack([keep, noise], axis=1).reshape(-1)  # (2 * spans,): keep_0, noise_0, keep_1, ...
+    flags = np.tile([False, True], lengths.noise_spans)
+    return np.repeat(flags, runs)
+
+
+def corrupt(tokens: np.ndarray, mask: np.ndarray, sentinel_ids: np.ndarray, eos_id: int):
+    """(input ids, target ids) of one raw block for a noise mask (module docstring)."""
+    prev = np.concatenate([[False], mask[:-1]])
+    noise_start = mask & ~prev
+    # a non-noise run starts at 0 (always non-noise) or after noise; run i pairs with sentinel i
+    keep_start = ~mask & np.concatenate([[True], mask[:-1]])
+    span_of_noise = np.maximum(np.cumsum(noise_start) - 1, 0)
+    inputs = np.where(noise_start, sentinel_ids[span_of_noise], tokens)[~mask | noise_start]
+    span_of_keep = np.maximum(np.cumsum(keep_start) - 1, 0)
+    targets = np.where(keep_start, sentinel_ids[span_of_keep], tokens)[mask | keep_start]
+    return np.append(inputs, eos_id), np.append(targets, eos_id)
+
+
+class SpanCorruptionCollator:
+    """Raw blocks (raw_length,) -> T5 batch of fixed lengths.
+
+    Returns input_ids (B, L_in), attention_mask (B, L_in), labels (B, L_tgt),
+    decoder_input_ids (B, L_tgt) = labels shifted right after the decoder start token (pad),
+    decoder_attention_mask (B, L_tgt).
+    """
+
+    def __init__(self, *, block_size: int, sentinel_ids, eos_id: int, decoder_start_id: int,
+                 noise_density: float = 0.15, mean_span_length: float = 3.0):
+        self.lengths = span_lengths(block_size, noise_density, mean_span_length)
+        if len(sentinel_ids) < self.lengths.noise_spans:
+            raise DataError(f"span corruption of data.block_size={block_size} needs {self.lengths.noise_spans} "
+                            f"sentinel tokens; the tokenizer has {len(sentinel_ids)}")
+        self.sentinel_ids = np.asarray(list(sentinel_ids), dtype=np.int64)
+        self.eos_id = eos_id
+        self.decoder_start_id = decoder_start_id
+
+    def __call__(self, examples, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        # numpy is ~50x faster than torch on these tiny per-example arrays; one draw from the
+        # torch generator seeds it, so the batch stays a function of the generator's state
+        rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=gen)))
+        inputs, targets = [], []
+        for ex in examples:
+            tokens = np.asarray(ex, dtype=np.int64)
+            if tokens.shape != (self.lengths.raw_length,):
+                raise DataError(f"span corruption expects raw blocks of {self.lengths.raw_length} tokens, "
+                                f"got {tokens.shape}")
+            i, t = corrupt(tokens, noise_mask(self.lengths, rng), self.sentinel_ids, self.eos_id)
+            inputs.append(i)
+            targets.append(t)
+        input_ids = torch.as_tensor(np.stack(inputs))  # (B, L_in)
+        labels = torch.as_tensor(np.stack(targets))  # (B, L_tgt)
+        start = torch.full((labels.shape[0], 1), self.decoder_start_id, dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "labels": labels,
+            "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1),  # (B, L_tgt)
+            "decoder_attention_mask": torch.ones_like(labels),
+        }

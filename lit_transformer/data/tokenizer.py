@@ -1,0 +1,258 @@
+"""Tokenizers from the `tokenizers` library: train, save, load, find special tokens, check fit.
+
+Three kinds are trained (`tokenizer.kind`), each with every special token any objective needs:
+
+- bpe: GPT-2 byte-level BPE. No normaliser, `add_prefix_space=False`, the full 256-byte
+  alphabet and a ByteLevel decoder, so `decode(encode(x)) == x` for any Unicode string.
+- wordpiece: BERT. BertNormalizer + BertPreTokenizer, `##` continuations, `[CLS] a [SEP] b [SEP]`.
+- unigram: T5 / SentencePiece style. NFKC, Metaspace `▁`, post-processor `a </s> b </s>`.
+
+Sentinels `<extra_id_0>` ... are added as special tokens in ascending order (ids increase with
+the index; T5's own vocabulary counts down, but collators only use `SpecialTokens.sentinel_ids`).
+
+Loaded tokenizers have their stored padding and truncation switched off (collators pad, and
+packing must see whole documents) and `encode_special_tokens` on: text that happens to spell
+`</s>` or `[MASK]` is encoded as text and never yields a control id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from lit_transformer.data.config import TokenizerConfig, check_objective
+from lit_transformer.data.errors import DataError
+
+ROLES = ("pad", "unk", "bos", "eos", "cls", "sep", "mask")
+TRAINED_SPECIALS = {
+    "bpe": {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>", "cls": "<cls>", "sep": "<sep>", "mask": "<mask>"},
+    "unigram": {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>", "cls": "<cls>", "sep": "<sep>",
+                "mask": "<mask>"},
+    "wordpiece": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]", "bos": "[BOS]",
+                  "eos": "[EOS]"},
+}
+# Spellings recognised in any tokenizer, most specific first. GPT-2's <|endoftext|> serves as both
+# bos and eos; RoBERTa's <s> / </s> serve as cls / sep when no dedicated token exists.
+ROLE_SPELLINGS = {
+    "pad": ("[PAD]", "<pad>", "<|pad|>", "<|padding|>", "<PAD>"),
+    "unk": ("[UNK]", "<unk>", "<|unk|>", "<UNK>"),
+    "bos": ("<s>", "[BOS]", "<bos>", "<BOS>", "<|startoftext|>", "<|begin_of_text|>", "<|endoftext|>"),
+    "eos": ("</s>", "[EOS]", "<eos>", "<EOS>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>"),
+    "cls": ("[CLS]", "<cls>", "<CLS>", "<s>"),
+    "sep": ("[SEP]", "<sep>", "<SEP>", "</s>"),
+    "mask": ("[MASK]", "<mask>", "<|mask|>", "<MASK>"),
+}
+TRAIN_BATCH = 1000
+
+
+def sentinel(i: int) -> str:
+    return f"<extra_id_{i}>"
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the special tokens by role; None where the tokenizer has none."""
+
+    pad_id: Optional[int] = None
+    unk_id: Optional[int] = None
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    cls_id: Optional[int] = None
+    sep_id: Optional[int] = None
+    mask_id: Optional[int] = None
+    sentinel_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> "SpecialTokens":
+        ids = {}
+        for role in ROLES:
+            ids[f"{role}_id"] = next(
+                (i for i in (tokenizer.token_to_id(s) for s in ROLE_SPELLINGS[role]) if i is not None), None
+            )
+        sentinels = []
+        while (i := tokenizer.token_to_id(sentinel(len(sentinels)))) is not None:
+            sentinels.append(i)
+        return cls(**ids, sentinel_ids=tuple(sentinels))
+
+    @property
+    def separator_id(self) -> Optional[int]:
+        """The token packed between documents: eos, else sep (BERT), else bos."""
+        return next((i for i in (self.eos_id, self.sep_id, self.bos_id) if i is not None), None)
+
+    @property
+    def decoder_start_id(self) -> Optional[int]:
+        """T5 starts the decoder with pad (Raffel et al. 2020); bos where there is no pad."""
+        return self.pad_id if self.pad_id is not None else self.bos_id
+
+    def never_masked(self) -> set[int]:
+        """Ids a masking collator must leave alone and never predict."""
+        ids = {self.pad_id, self.bos_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id, *self.sentinel_ids}
+        return {i for i in ids if i is not None}
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str = "the training split") -> Tokenizer:
+    """Train a `cfg.kind` tokenizer on `texts` (at most `cfg.max_train_bytes` of them)."""
+    names = TRAINED_SPECIALS[cfg.kind]
+    specials = list(names.values()) + [sentinel(i) for i in range(cfg.num_sentinels)]
+    floor = len(specials) + (256 if cfg.kind == "bpe" else 1)
+    if cfg.vocab_size < floor:
+        raise DataError(
+            f"tokenizer.vocab_size={cfg.vocab_size} is too small for a {cfg.kind} tokenizer with "
+            f"{len(specials)} special tokens{' and 256 byte tokens' if cfg.kind == 'bpe' else ''}: use >= {floor}"
+        )
+    if cfg.kind == "bpe":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                      special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+    elif cfg.kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token=names["unk"]))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=cfg.lowercase)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                                            special_tokens=specials, continuing_subword_prefix="##",
+                                            show_progress=False)
+    else:
+        tok = Tokenizer(models.Unigram())
+        steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if cfg.lowercase else [])
+        tok.normalizer = normalizers.Sequence(steps)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+        trainer = trainers.UnigramTrainer(vocab_size=cfg.vocab_size, special_tokens=specials,
+                                          unk_token=names["unk"], show_progress=False)
+    seen = {"bytes": 0, "texts": 0}
+    tok.train_from_iterator(_batches(texts, cfg.max_train_bytes, seen), trainer)
+    if seen["texts"] == 0:
+        raise DataError(f"no text to train the tokenizer on: {describe} holds 0 documents")
+    if cfg.kind == "wordpiece":
+        cls_id, sep_id = tok.token_to_id(names["cls"]), tok.token_to_id(names["sep"])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{names['cls']} $A {names['sep']}", pair=f"{names['cls']} $A {names['sep']} $B:1 {names['sep']}:1",
+            special_tokens=[(names["cls"], cls_id), (names["sep"], sep_id)])
+    elif cfg.kind == "unigram":
+        eos_id = tok.token_to_id(names["eos"])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"$A {names['eos']}", pair=f"$A {names['eos']} $B:1 {names['eos']}:1",
+            special_tokens=[(names["eos"], eos_id)])
+    return _normalise(tok)
+
+
+def _batches(texts: Iterable[str], max_bytes: Optional[int], seen: dict) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for text in texts:
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if max_bytes is not None and seen["bytes"] + size > max_bytes:
+            room = max_bytes - seen["bytes"]
+            if room > 0:
+                batch.append(text.encode("utf-8", "surrogatepass")[:room].decode("utf-8", "ignore"))
+                seen["texts"] += 1
+            break
+        seen["bytes"] += size
+        seen["texts"] += 1
+        batch.append(text)
+        if len(batch) >= TRAIN_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _normalise(tok: Tokenizer) -> Tokenizer:
+    tok.no_padding()
+    tok.no_truncation()
+    tok.encode_special_tokens = True
+    return tok
+
+
+def load_tokenizer(path) -> Tokenizer:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer.path: no such file: {str(path)!r}")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise DataError(f"tokenizer.path: {path} is not a tokenizers tokenizer.json ({exc})") from exc
+    return _normalise(tok)
+
+
+def tokenizer_from_str(text: str) -> Tokenizer:
+    return _normalise(Tokenizer.from_str(text))
+
+
+def save_tokenizer(tok: Tokenizer, path) -> Path:
+    """Write tokenizer.json atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(tok.to_str(pretty=True))
+    os.replace(tmp, path)
+    return path
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def tokenizer_kind(tok: Tokenizer) -> dict:
+    """Model type and pre-tokenizer type, read from the serialised form."""
+    d = json.loads(tok.to_str())
+    pre = d.get("pre_tokenizer") or {}
+    pre_types = {p.get("type") for p in pre.get("pretokenizers", [])} | {pre.get("type")}
+    return {"model": d["model"]["type"], "pre_tokenizers": pre_types - {None}}
+
+
+def check_tokenizer(tokenizer: Tokenizer, objective: str, model_vocab_size: Optional[int] = None, *,
+                    block_size: Optional[int] = None, noise_density: float = 0.15,
+                    mean_span_length: float = 3.0) -> SpecialTokens:
+    """Fail with one line when `tokenizer` cannot serve `objective`; return its special tokens."""
+    check_objective(objective)
+    sp = SpecialTokens.from_tokenizer(tokenizer)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if model_vocab_size is not None and vocab > model_vocab_size:
+        raise DataError(
+            f"tokenizer has {vocab} tokens but the model's embedding has model.vocab_size={model_vocab_size}; "
+            f"set model.vocab_size >= {vocab}"
+        )
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise DataError(f"tokenizer has no {what}, which objective {objective!r} needs; train one "
+                            "(leave tokenizer.path empty) or load a tokenizer.json that has it")
+
+    if objective == "mlm":
+        need(sp.mask_id is not None, f"mask token ({' or '.join(ROLE_SPELLINGS['mask'][:2])})")
+        need(sp.separator_id is not None, "document separator (</s>, [SEP] or <|endoftext|>)")
+    elif objective == "clm":
+        need(sp.separator_id is not None, "end-of-document token (</s> or <|endoftext|>)")
+    elif objective == "span":
+        need(bool(sp.sentinel_ids), "sentinel tokens (<extra_id_0>, <extra_id_1>, ...)")
+        need(sp.eos_id is not None, "eos token (</s>)")
+        need(sp.decoder_start_id is not None, "pad token (<pad>, the decoder start)")
+        if block_size is not None:
+            from lit_transformer.data.span import span_lengths
+
+            spans = span_lengths(block_size, noise_density, mean_span_length).noise_spans
+            if len(sp.sentinel_ids) < spans:
+                raise DataError(f"span corruption of data.block_size={block_size} needs {spans} sentinel tokens "
+                                f"but the tokenizer has {len(sp.sentinel_ids)} (raise tokenizer.num_sentinels)")
+    elif objective == "seq2seq":
+        need(sp.pad_id is not None, "pad token ([PAD] or <pad>)")
+        need(sp.eos_id is not None or sp.sep_id is not None, "eos token (</s>)")
+    else:
+        need(sp.pad_id is not None, "pad token ([PAD] or <pad>)")
+        need(tokenizer.post_processor is not None or sp.sep_id is not None or sp.eos_id is not None,
+             "segment separator ([SEP], <sep> or </s>)")
+    return sp
