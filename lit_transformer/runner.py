@@ -21,7 +21,8 @@ from .rundir import (
     CONFIG_YAML, CLASSIFIER_JSON, RunError, Source, label_names, load_backbone, load_checkpoint_module,
     load_classifier, load_language_model, open_run_dir, resolve_source, save_final, with_overrides,
 )
-from .training import SampleGenerations, build_trainer, finish_wandb
+from .checkpointing import check_architecture, read_checkpoint
+from .training import SampleGenerations, build_trainer, consolidated, finish_wandb
 
 GENERATIVE = ("clm", "span", "seq2seq")
 
@@ -52,6 +53,7 @@ def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | No
 def build_objective(cfg: RunConfig, dm, source: Source | None = None):
     """The objective LightningModule: from scratch (preset + overrides, vocabulary from the
     tokenizer), or from finetune.from's weights with the recipe's model fields applied on top."""
+    from .model.language_model import LanguageModel
     from .objectives import CausalLM, MaskedLM, Seq2SeqLM, SequenceClassifier
 
     name = cfg.objective.name
@@ -76,6 +78,11 @@ def build_objective(cfg: RunConfig, dm, source: Source | None = None):
         backbone = model.transformer if source is not None else model
         return SequenceClassifier(backbone, dm.num_labels, cfg.data.task, **head)
     lm_args = dict(bytes_per_token=dm.bytes_per_token, **common)
+    if source is None and cfg.trainer.strategy == "fsdp":
+        # shapes only: each rank allocates and initialises its shards in configure_model, so a
+        # model larger than one device's memory can be built (exactly the weights of an eager init)
+        model = LanguageModel.from_config(model, device="meta")
+        model.init_rng_state = torch.get_rng_state()  # the draws an eager init would take now
     if name == "mlm":
         return MaskedLM(model, **lm_args)
     if name == "clm":
@@ -123,28 +130,52 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
     import lightning as L
 
     run_dir, ckpt = open_run_dir(cfg)
-    save_config(cfg, run_dir / CONFIG_YAML)  # first, so that a run that fails later can be started again
+    if ckpt is None:
+        save_config(cfg, run_dir / CONFIG_YAML)  # first, so that a run that fails later can be started again
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
     source = resolve_source(cfg.finetune.from_) if cfg.finetune.from_ is not None else None
     dm = data_module(cfg, run_dir, cfg.model.vocab_size)
     module = build_objective(cfg, dm, source)
+    if ckpt is not None:
+        if ckpt.is_file():  # a one-line error naming the fields, not a load_state_dict traceback
+            check_architecture(read_checkpoint(ckpt, mmap=True), module.model_config.to_dict(), ckpt)
+        save_config(cfg, run_dir / CONFIG_YAML)  # after the checks: a refused resume changes nothing
     extra = list(callbacks)
-    if cfg.objective.name in GENERATIVE and cfg.generation.enabled:
-        extra.append(SampleGenerations(sample_fn(cfg, dm), run_dir))
-    trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra, progress_bar=progress_bar)
     try:
-        trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt is not None else None)
+        with worker_errors():
+            if cfg.objective.name in GENERATIVE and cfg.generation.enabled:
+                extra.append(SampleGenerations(sample_fn(cfg, dm), run_dir))
+            trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra,
+                                    progress_bar=progress_bar)
+            trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt is not None else None)
         interrupted = trainer.interrupted or trainer.global_step < cfg.trainer.max_steps
         validated_last = cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0 and any(
             k.startswith("val/") for k in trainer.callback_metrics)  # not so after resuming a finished run
         if not interrupted and not validated_last:
-            trainer.validate(module, datamodule=dm, verbose=False)  # the final model's metrics
+            with worker_errors():
+                trainer.validate(module, datamodule=dm, verbose=False)  # the final model's metrics
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        if trainer.is_global_zero and not interrupted:
-            save_final(module, run_dir, metrics)
+        if not interrupted:
+            final = consolidated(module, trainer.global_rank)  # FSDP: every rank gathers, rank 0 saves
+            if trainer.is_global_zero:
+                save_final(final, run_dir, metrics)
     finally:
         finish_wandb()
     return metrics
+
+
+@contextlib.contextmanager
+def worker_errors():
+    """A data-loader worker that dies (killed, out of memory, os._exit) makes torch raise
+    "DataLoader worker (pid X) exited unexpectedly / is killed by signal"; as a one-line RunError."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "DataLoader worker" not in str(error):
+            raise
+        first = str(error).strip().splitlines()[0]
+        raise RunError(f"a data-loader worker died ({first}); data.num_workers=0 loads in the main process, "
+                       "where the cause shows; resume=auto continues from the newest checkpoint") from None
 
 
 def finetune(cfg: RunConfig, **kwargs: Any) -> dict[str, float]:

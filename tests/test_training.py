@@ -172,14 +172,6 @@ def test_wandb_online_without_credentials_goes_offline(monkeypatch, tmp_path):
     assert training.wandb_mode("online") == "online"
 
 
-def test_fsdp_on_cpu_is_a_clear_error(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("fsdp is available with CUDA")
-    cfg = clm_config(tmp_path, "trainer.strategy=fsdp")
-    with pytest.raises(RecipeError, match="fsdp needs CUDA"):
-        build_strategy(cfg)
-
-
 def test_read_metrics_prefers_the_later_segment(tmp_path):
     for version, rows in ((0, "step,train/loss\n0,5.0\n1,4.0\n2,3.5\n"), (1, "step,train/loss\n2,3.0\n3,2.0\n")):
         folder = tmp_path / "csv" / f"version_{version}"

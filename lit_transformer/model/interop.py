@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -117,7 +118,13 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if file.suffix == ".safetensors":
             tensors.update(load_file(file))
             continue
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            loaded = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # refused pickled code, or a truncated / corrupted file
+            blocked = re.search(r"GLOBAL (\S+)", str(error))
+            raise InteropError(f"{file}: refused: it pickles {blocked.group(1)}, not only tensors; weights load "
+                               "with weights_only=True, so it did not run" if blocked else
+                               f"{file}: not a readable PyTorch weights file ({type(error).__name__})") from None
         if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
             raise InteropError(f"{file}: not a state dict of tensors")
         tensors.update(loaded)

@@ -1,0 +1,208 @@
+"""Crash-safe checkpoint files and safe checkpoint reading.
+
+Writing (`AtomicCheckpointIO`, the Trainer's CheckpointIO plugin): a checkpoint is written to a
+hidden temporary file in the same directory (`.last.ckpt.<pid>.tmp`: not `*.ckpt`, so nothing
+that looks for checkpoints ever sees it), flushed and fsync'ed, then `os.replace`d over the
+final name, and the directory entry fsync'ed. `os.replace` is atomic on POSIX within one file
+system, so a `kill -9`, a power cut or a full disk at any moment leaves either the previous
+complete file or the new complete file under the final name, never a partial one. On an
+error the temporary file is removed and the previous checkpoint is untouched.
+
+Reading (`read_checkpoint`): `torch.load(weights_only=True)`, whose unpickler accepts tensors
+and plain containers only, so a pickle carrying code (a `__reduce__` that calls os.system) is
+refused before anything runs. Lightning checkpoints of our objectives hold nothing else: the
+hyperparameters are plain dicts (`TransformerConfig.to_dict`, `OptimConfig.to_dict`). Every
+failure is one RunError line naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+TEMP_SUFFIX = ".tmp"
+# Test hook: "NAME@STEP:SECONDS" sleeps between writing the temporary file of checkpoint NAME at
+# global step STEP and renaming it, so a test can kill the process inside that window.
+PAUSE_ENV = "LIT_TRANSFORMER_TEST_CHECKPOINT_PAUSE"
+
+
+def _run_error(message: str) -> Exception:
+    from .rundir import RunError  # rundir imports training, which imports this module
+
+    return RunError(message)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+
+
+def is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and path.name.endswith(TEMP_SUFFIX)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def atomic_save(obj: Any, path: str | os.PathLike, *, write: Optional[Callable[[Any, Any], None]] = None) -> None:
+    """`write(obj, file)` (default torch.save) into a temporary file beside `path`, fsync,
+    rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as file:
+            (write or torch.save)(obj, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data reaches the disk before the name points at it
+        _test_pause(path, obj)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Persist the rename itself (the directory entry); not possible on every platform."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _test_pause(path: Path, obj: Any) -> None:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    target, seconds = spec.rsplit(":", 1)
+    name, step = target.split("@")
+    if path.name == name and isinstance(obj, dict) and obj.get("global_step") == int(step):
+        time.sleep(float(seconds))
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO with atomic, fsync'ed writes and weights_only reads.
+
+    A failed write (a full disk: OSError ENOSPC) becomes a RunError saying that the previous
+    checkpoint is intact."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        try:
+            atomic_save(checkpoint, path)
+        except OSError as error:
+            raise _run_error(f"{path}: could not write the checkpoint ({_first_line(error)}); nothing was "
+                             f"replaced, the previous checkpoint is intact") from error
+
+    def load_checkpoint(self, path, map_location: Optional[Callable] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        # weights_only is always True here, whatever the caller asks: no checkpoint runs code.
+        return read_checkpoint(path, map_location=map_location if map_location is not None else "cpu")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint as a dict, loaded with weights_only=True; a RunError naming the
+    file when it is missing, truncated, corrupted, not a checkpoint, or holds pickled code."""
+    path = Path(path)
+    from .training import is_sharded_checkpoint, read_sharded_checkpoint
+
+    if is_sharded_checkpoint(path):  # FSDP2: a directory of shards, consolidated here
+        return read_sharded_checkpoint(path)
+    if not path.is_file():
+        raise _run_error(f"{path}: no such checkpoint file")
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        blocked = unsafe_global(error)
+        if blocked:
+            raise _run_error(f"{path}: refused: it pickles {blocked}, not only tensors and plain data; "
+                             f"checkpoints load with weights_only=True, so it did not run") from None
+        raise _run_error(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+    except Exception as error:  # zip errors, EOF, invalid load keys: a truncated or corrupted file
+        raise _run_error(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise _run_error(f"{path}: not a Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def unsafe_global(error: BaseException) -> str | None:
+    """The class or function a weights_only load refused (`posix.system`), or None when the
+    error is about something else (a corrupted pickle stream)."""
+    match = re.search(r"GLOBAL (\S+)", str(error))
+    return match.group(1) if match else None
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The global step a checkpoint was saved at, or None when it cannot be read. Memory-maps
+    the tensors, so only the small pickle is read. A distributed (FSDP2) checkpoint is a
+    directory whose meta.pt rank 0 writes after every shard: without it, it is incomplete."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+            return int(meta.get("global_step", -1))
+        return int(read_checkpoint(path, mmap=True).get("global_step", -1))
+    except Exception:
+        return None
+
+
+def newest_complete(folder: str | os.PathLike) -> Path | None:
+    """The readable `*.ckpt` in `folder` with the highest global step (last.ckpt on a tie);
+    temporary files of interrupted writes and unreadable files are skipped."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    ranked = []
+    for path in folder.glob("*.ckpt"):
+        if is_temp(path):
+            continue
+        step = checkpoint_step(path)
+        if step is not None:
+            ranked.append((step, path.name == "last.ckpt", path.stat().st_mtime, path))
+    return max(ranked)[3] if ranked else None
+
+
+def remove_temp_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that killed writes left behind; returns them."""
+    folder = Path(folder)
+    stale = [p for p in folder.glob(f".*{TEMP_SUFFIX}") if p.is_file()] if folder.is_dir() else []
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def check_architecture(checkpoint: dict[str, Any], model_config: dict[str, Any], path: str | os.PathLike) -> None:
+    """A RunError naming every model config field where the checkpoint differs from the model
+    about to load it (fields that change no weight shape, such as dropout, do not count)."""
+    hp = checkpoint.get("hyper_parameters") or {}
+    saved = hp.get("model", hp.get("model_config"))  # language models / classifiers
+    if not isinstance(saved, dict):
+        return  # not one of our objectives' checkpoints: load_state_dict will judge
+    harmless = {"dropout", "attention_dropout", "init_std", "attention_impl"}
+    diff = [f"{k}={saved.get(k)!r} (checkpoint) vs {model_config.get(k)!r}"
+            for k in sorted(set(saved) | set(model_config))
+            if k not in harmless and saved.get(k) != model_config.get(k)]
+    if diff:
+        raise _run_error(f"{path}: a checkpoint of another architecture: {'; '.join(diff)}")
