@@ -15,7 +15,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 
+from .checkpointing import AtomicCheckpointIO
 from .config import RecipeError, RunConfig, to_dict
 
 WANDB_ID_FILE = "wandb_id.txt"
@@ -28,8 +30,13 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def build_strategy(cfg: RunConfig) -> Any:
-    """Lightning strategy for trainer.strategy. ddp uses gloo on CPU and NCCL on GPUs (Lightning's
-    choice); fsdp needs CUDA: Lightning's FSDPStrategy refuses CPU accelerators."""
+    """Lightning strategy for trainer.strategy.
+
+    ddp: DDPStrategy (gloo on CPU, NCCL on GPUs: Lightning's choice). fsdp: FSDP2 through
+    Lightning's ModelParallelStrategy, with every process in one data-parallel mesh dimension
+    (`FSDP2Strategy`); the objective's `configure_model` applies `fully_shard` per Block and
+    per top-level module. Both run on CPU (gloo) as well as on GPUs."""
+    check_precision(cfg)
     name = cfg.trainer.strategy
     if name == "auto":
         return "auto"
@@ -37,17 +44,157 @@ def build_strategy(cfg: RunConfig) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()
-    if not torch.cuda.is_available():
-        raise RecipeError(
-            "trainer.strategy=fsdp needs CUDA GPUs (Lightning's FSDPStrategy does not run on CPU); "
-            "use trainer.strategy=ddp or auto on this machine"
-        )
-    from lightning.pytorch.strategies import FSDPStrategy
+    if cfg.objective.name == "mlm":
+        # FSDP2 gathers a unit's shards in that module's forward hook; MaskedLM calls the
+        # LanguageModel's transformer and LM head separately (the head runs on masked positions
+        # only), so the root unit holding the tied embedding would never be gathered.
+        raise RecipeError("trainer.strategy=fsdp does not support objective.name=mlm yet (the masked LM head runs "
+                          "outside the sharded model's forward); use trainer.strategy=ddp")
+    return FSDP2Strategy()
 
-    from .model.transformer import Block
 
-    return FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy=(
-        {Block} if cfg.trainer.activation_checkpointing else None))
+def check_precision(cfg: RunConfig) -> None:
+    """16-mixed needs a GPU: on CPU Lightning would autocast to float16, which the CPU kernels
+    run slowly and without the loss scaling that keeps fp16 gradients finite."""
+    t = cfg.trainer
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    if t.precision == "16-mixed" and on_cpu:
+        raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """ModelParallelStrategy as pure FSDP2: data_parallel_size = world size and
+    tensor_parallel_size = 1, fixed once the launcher knows the world size (its "auto"
+    defaults are data_parallel = nodes and tensor_parallel = devices per node, i.e. tensor
+    parallelism inside a node, which the objectives do not implement). The device mesh takes
+    the root device's type, so on CPU it is a gloo mesh and on GPUs an NCCL one.
+
+    Checkpoints are distributed: a directory holding one shard file per rank and meta.pt."""
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 has sharded the module's parameters (they are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's whole state dict on CPU. Under FSDP2 every rank must call this (the
+    shards are all-gathered); rank 0 receives the tensors, the other ranks an empty dict."""
+    if not is_sharded(module):
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def consolidated(module: L.LightningModule, rank: int) -> L.LightningModule | None:
+    """The objective with whole (unsharded) CPU weights, for saving the final model. Without
+    FSDP this is the module itself. Under FSDP2 every rank must call it (the shards are
+    all-gathered); rank 0 gets a fresh copy rebuilt from the module's hyperparameters and
+    loaded with the gathered weights, the other ranks None."""
+    if not is_sharded(module):
+        return module
+    state = full_state_dict(module)
+    if rank != 0:
+        return None
+    extra = {"bleu": False} if "task" in module.hparams else {}  # Seq2SeqLM: BLEU needs a detokenizer
+    with torch.device("cpu"):
+        copy = type(module)(**{**module.hparams, **extra})
+    copy.load_state_dict(state)
+    return copy
+
+
+SHARDED_META = "meta.pt"  # what ModelParallelStrategy writes beside the shards (rank 0, last)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A distributed (FSDP2) checkpoint: a directory of per-rank shard files plus meta.pt."""
+    return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
+
+
+def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A distributed checkpoint as one ordinary Lightning checkpoint dict (meta.pt's contents
+    plus a whole `state_dict`), in this process without a process group: every weight is
+    read in full from the shards (torch.distributed.checkpoint.load, no_dist=True) into a
+    tensor allocated from the checkpoint's metadata. Optimizer states are not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}
+    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in entries.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    dcp.load({"state_dict": weights}, checkpoint_id=str(path), no_dist=True)
+    checkpoint["state_dict"] = weights
+    return checkpoint
+
+
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Allocate and initialise a module built on the meta device after FSDP2 sharded it: each
+    rank allocates only its shards (`to_empty`), and `init_weights` then draws every weight
+    in full, one tensor at a time on the CPU, keeping this rank's rows. The draws come from
+    the global generator in the order an unsharded `init_weights` takes them, so the sharded
+    model starts from exactly the weights a one-process run starts from, at a peak of one
+    whole tensor beyond the shards. (DTensor's own random ops would draw each shard locally on
+    CPU meshes; torch.distributed.tensor._random supports only CUDA-like devices.)"""
+    from .model.init import init_weights
+    from .model.language_model import LanguageModel
+
+    if not any(p.is_meta for p in module.parameters()):
+        return
+    module.to_empty(device=device)
+    for sub in module.modules():
+        if isinstance(sub, LanguageModel):
+            sub.tie_weights()  # to_empty allocates a tied weight once per name
+            state = getattr(sub, "init_rng_state", None)  # set by the runner when it built the model
+            with torch.random.fork_rng(devices=[]), _WholeTensorDraws():
+                if state is not None:
+                    torch.set_rng_state(state)
+                init_weights(sub, sub.config)
+    left = [name for name, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"meta-device parameters left without initialisation: {left[:3]}")
+
+
+class _WholeTensorDraws(torch.overrides.TorchFunctionMode):
+    """Inside: `normal_` on a sharded DTensor draws the whole tensor from the global
+    generator on the CPU and copies this rank's dim-0 chunk into the local shard (FSDP2
+    shards dim 0 as torch.chunk does)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor, Shard
+
+        kwargs = dict(kwargs or {})
+        # nn.init.normal_ dispatches itself (keyword arguments) while a mode is active
+        if func not in (torch.Tensor.normal_, torch.nn.init.normal_):
+            return func(*args, **kwargs)
+        target = args[0] if args else kwargs.pop("tensor")
+        if not isinstance(target, DTensor):
+            return func(target, *args[1:], **kwargs)
+        (placement,) = target.placements
+        whole = torch.empty(target.shape, dtype=target.dtype)
+        func(whole, *args[1:], **kwargs)  # the draws of an unsharded init
+        local = target.to_local()
+        if isinstance(placement, Shard):
+            mesh = target.device_mesh
+            pieces = torch.chunk(whole, mesh.size(), dim=placement.dim)
+            rank = mesh.get_local_rank()
+            whole = pieces[rank] if rank < len(pieces) else whole[:0]
+        if whole.shape != local.shape:
+            raise RuntimeError(f"shard shape {tuple(local.shape)} is not torch.chunk's {tuple(whole.shape)}")
+        with torch.no_grad():
+            local.copy_(whole)
+        return target
 
 
 # ----------------------------------------------------------------------------- loggers
@@ -94,7 +241,8 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
     """A CSV log (always; a resumed run writes the next csv/version_N) and W&B unless disabled."""
     loggers: list[Logger] = []
     if cfg.logger.csv:
-        loggers.append(CSVLogger(save_dir=str(run_dir), name=CSV_DIR))
+        # flushed at every logging step (not every 100): rows up to a kill -9 survive for resume
+        loggers.append(CSVLogger(save_dir=str(run_dir), name=CSV_DIR, flush_logs_every_n_steps=1))
     mode = wandb_mode(cfg.logger.wandb.mode)
     if mode is not None:
         w = cfg.logger.wandb
@@ -170,6 +318,36 @@ class StepSeed(Callback):
         torch.manual_seed(step_seed)  # seeds every CUDA device too
 
 
+class NonFiniteGuard(Callback):
+    """Stops training when `patience` optimizer steps in a row were skipped for a non-finite
+    loss or gradient (the objective's `skipped_steps` counter; skipped steps leave the weights
+    alone). Raises a RunError before the step's checkpoint is written (Lightning runs
+    checkpoint callbacks last), so the newest checkpoint holds the last good weights."""
+
+    def __init__(self, patience: int, checkpoint_dir: Path):
+        self.patience, self.checkpoint_dir = patience, checkpoint_dir
+        self._seen = 0  # the objective's counter at the previous batch end
+        self._run = 0  # consecutive skipped steps so far
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._seen, self._run = int(getattr(pl_module, "skipped_steps", 0)), 0  # restored by a resume
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        skipped = int(getattr(pl_module, "skipped_steps", 0))
+        self._run = self._run + (skipped - self._seen) if skipped > self._seen else 0
+        self._seen = skipped
+        if self._run >= self.patience:
+            from .checkpointing import newest_complete
+            from .rundir import RunError
+
+            last = newest_complete(self.checkpoint_dir)
+            kept = f"the newest checkpoint, {last}, holds the last good weights" if last else "no checkpoint was written"
+            raise RunError(
+                f"training stopped at step {trainer.global_step}: {self._run} steps in a row had a non-finite loss "
+                f"or gradient (trainer.nonfinite_patience={self.patience}); {kept}; lower optim.lr, or use bf16 "
+                "instead of fp16, then resume=auto")
+
+
 class ProgressBar(RichProgressBar):
     """Rich progress bar showing the training loss and tokens/s (the objectives log both with
     prog_bar=True) without Lightning's version number."""
@@ -223,6 +401,7 @@ def build_callbacks(cfg: RunConfig, run_dir: Path, extra: Sequence[Callback] = (
             save_on_train_epoch_end=False,
         ),
         StepSeed(cfg.trainer.seed),
+        NonFiniteGuard(cfg.trainer.nonfinite_patience, run_dir / CHECKPOINT_DIR),
     ]
     if progress_bar:
         callbacks.append(ProgressBar())
@@ -257,4 +436,5 @@ def build_trainer(cfg: RunConfig, run_dir: Path, *, resume: bool = False, callba
         enable_progress_bar=progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
+        plugins=[AtomicCheckpointIO()],  # temp file + fsync + rename; weights_only loading
     )

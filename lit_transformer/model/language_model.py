@@ -30,10 +30,14 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: TransformerConfig, device: torch.device | str | None = None) -> "LanguageModel":
-        """Build and initialise; on device "meta" only shapes are allocated."""
-        with torch.device(device or "cpu"):
+        """Build and initialise; on device "meta" only shapes are allocated. The modules are
+        built on the meta device either way, so the layers' default initialisations draw
+        nothing and `init_weights` takes the same random numbers whether it runs here or
+        after FSDP2 sharded a meta-built model (lit_transformer.training.materialize)."""
+        with torch.device("meta"):
             model = cls(cfg)
         if str(device) != "meta":
+            model.to_empty(device=device or "cpu")  # re-ties the embedding
             init_weights(model, cfg)
         return model
 

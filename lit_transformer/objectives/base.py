@@ -37,8 +37,10 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..model.config import TransformerConfig
+from ..model.transformer import Block
 from .metrics import bits_per_byte, peak_flops_for
 from .optim import OptimConfig, build_optimizer, make_scheduler, parameter_groups
 
@@ -66,7 +68,10 @@ class ObjectiveBase(L.LightningModule):
 
     def __init__(self, *, model_config: TransformerConfig, optim: OptimConfig, max_steps: int | None,
                  bytes_per_token: float | None = None, peak_flops: float | None = None,
-                 skip_nonfinite: bool = True):
+                 skip_nonfinite: bool = True, activation_checkpointing: bool = False, compile: bool = False):
+        """`activation_checkpointing`: recompute each Block's activations in backward instead of
+        keeping them (memory for about one more forward pass). `compile`: torch.compile every
+        Block. Both are applied in `configure_model`, before FSDP2 sharding."""
         super().__init__()
         if bytes_per_token is not None and not bytes_per_token > 0:
             raise ValueError(f"bytes_per_token={bytes_per_token} must be positive")
@@ -76,6 +81,8 @@ class ObjectiveBase(L.LightningModule):
         self.bytes_per_token = bytes_per_token
         self.peak_flops = peak_flops
         self.skip_nonfinite = skip_nonfinite
+        self.activation_checkpointing = activation_checkpointing
+        self.compile_blocks = compile  # not `self.compile`: that is nn.Module.compile
         self.skipped_steps = 0
         self.eval_metrics = nn.ModuleDict()
         self._flops_cache: dict[tuple[int, int | None], tuple[float, float]] = {}
@@ -101,6 +108,8 @@ class ObjectiveBase(L.LightningModule):
                 self.skipped_steps += 1
                 if attached:
                     self.log("train/skipped_steps", float(self.skipped_steps))
+                    # the non-finite value itself, or the logger would repeat the last finite loss
+                    self.log("train/loss", loss.detach(), prog_bar=True)
                 return None
             # Lightning forbids returning None under DDP/FSDP (all ranks must run backward);
             # the non-finite gradients are all-reduced to every rank and dropped in
@@ -128,8 +137,11 @@ class ObjectiveBase(L.LightningModule):
         norm = total_norm(grads)
         self.log("train/grad_norm", norm)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16 AMP skips inf steps itself
-        if self.skip_nonfinite and self.trainer.world_size > 1 and scaler is None and not torch.isfinite(norm):
-            # AdamW skips parameters without a gradient: no moment update, no decay.
+        if self.skip_nonfinite and scaler is None and not torch.isfinite(norm):
+            # A finite loss can still overflow in backward (and under DDP/FSDP a non-finite loss
+            # arrives here, all-reduced): drop the step on every rank alike, or one update would
+            # turn every weight into NaN. AdamW skips parameters without a gradient: no moment
+            # update, no decay.
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -198,9 +210,22 @@ class ObjectiveBase(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
-        """FSDP2 under Lightning's ModelParallelStrategy: shard every Block, then each
-        top-level module with parameters (its root group gathers embeddings, norms and heads;
-        tied weights stay inside one group). Nothing to do without a device mesh."""
+        """Per Block, in torchtitan's order: activation checkpointing, then torch.compile, then
+        FSDP2 (under Lightning's ModelParallelStrategy) shards every Block and each top-level
+        module with parameters (its root group gathers embeddings, norms and heads; tied
+        weights stay inside one group). Sharding needs a device mesh; the first two do not, so
+        a plain loop may call this too. Calling it again changes nothing."""
+        blocks = [module for module in self.modules() if isinstance(module, Block)]
+        if self.activation_checkpointing:
+            for block in blocks:
+                checkpoint_block(block)
+        if self.compile_blocks:
+            # Per block rather than the whole model: the stack's mask and position bookkeeping
+            # (data-dependent, e.g. dropping an all-ones mask for SDPA's fused path) and the MLM
+            # head's masked positions stay eager; identical blocks share one compiled graph.
+            for block in blocks:
+                if getattr(block, "_compiled_call_impl", None) is None:
+                    block.compile()
         mesh = self.device_mesh
         if mesh is None:
             return
@@ -208,7 +233,6 @@ class ObjectiveBase(L.LightningModule):
             from torch.distributed.fsdp import FSDPModule, fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import FSDPModule, fully_shard
-        from ..model.transformer import Block
 
         if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError("tensor parallelism is not implemented: use ModelParallelStrategy(tensor_parallel_size=1)")
@@ -219,6 +243,10 @@ class ObjectiveBase(L.LightningModule):
         for child in self.children():
             if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
                 fully_shard(child, mesh=dp_mesh)
+        from ..training import materialize  # here: training imports the recipe schema, which imports objectives
+
+        kind = dp_mesh.device_type
+        materialize(self, torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps
@@ -265,6 +293,27 @@ class ObjectiveBase(L.LightningModule):
         if self.device.type != "cuda":
             return None
         return peak_flops_for(torch.cuda.get_device_name(self.device), str(self.trainer.precision))
+
+
+class CheckpointedBlock(Block):
+    """A Block that keeps only its inputs and recomputes the rest in backward
+    (torch.utils.checkpoint, non-reentrant: dropout masks repeat, keyword arguments pass)."""
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation and generation: nothing to save
+            return super().forward(*args, **kwargs)
+        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_block(block: Block) -> None:
+    """Turn on activation checkpointing for one Block by swapping its class for
+    CheckpointedBlock (as FSDP2's fully_shard swaps classes): the module keeps its identity,
+    parameter names and state dict, so checkpoints load with or without it."""
+    if isinstance(block, CheckpointedBlock):
+        return
+    if type(block) is not Block:
+        raise TypeError(f"activation checkpointing wraps Block modules, not {type(block).__name__}")
+    block.__class__ = CheckpointedBlock
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:

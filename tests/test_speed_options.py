@@ -1,0 +1,233 @@
+"""The objectives' speed options (issue 5): per-block activation checkpointing and per-block
+torch.compile, applied in `configure_model` without a device mesh (FSDP2 composes with both
+there; its own tests run under the distributed suite).
+
+Odd tiny sizes (batch 3, length 7, vocabulary 99) and dropout on, so that a recomputation
+that drew new dropout masks would change the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from lit_transformer.model import LanguageModel, TransformerConfig
+from lit_transformer.model.transformer import Block
+from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
+from lit_transformer.objectives.base import CheckpointedBlock, ObjectiveBase, checkpoint_block
+from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
+
+B, T, V = 3, 7, 99
+
+
+def tiny(arch: str, **kw) -> TransformerConfig:
+    base = dict(arch=arch, vocab_size=V, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32,
+                dropout=0.1, attention_dropout=0.1, position="t5_relative" if arch == "encoder_decoder" else "learned",
+                relative_buckets=8, relative_max_distance=16,
+                lm_head="bert_mlm" if arch == "encoder" else "linear")
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def batch_for(arch: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 5:] = 0  # one padded row: the bias path, not only SDPA's fused one
+    labels = torch.randint(4, V, (B, T), generator=g).masked_fill(mask == 0, IGNORE_INDEX)
+    if arch == "encoder":
+        labels[:, ::2] = IGNORE_INDEX  # MLM predicts some positions only
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if arch == "encoder_decoder":
+        batch["decoder_input_ids"] = torch.randint(4, V, (B, 5), generator=g)
+        batch["labels"] = torch.randint(4, V, (B, 5), generator=g)
+    return batch
+
+
+OBJECTIVES = {"encoder": MaskedLM, "decoder": CausalLM, "encoder_decoder": Seq2SeqLM}
+
+
+class PlainLM(ObjectiveBase):
+    """The smallest objective on the shared base, passing the speed options through its
+    constructor (the real objectives forward them the same way)."""
+
+    def __init__(self, cfg: TransformerConfig, **options):
+        from lit_transformer.objectives.optim import OptimConfig
+
+        super().__init__(model_config=cfg, optim=OptimConfig(), max_steps=10, skip_nonfinite=False, **options)
+        self.model = LanguageModel.from_config(cfg)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
+        loss_sum, _, count = token_cross_entropy(logits.reshape(-1, V), batch["labels"].reshape(-1))
+        return loss_sum / count
+
+
+def loss_and_grads(module: ObjectiveBase, batch, seed: int = 7):
+    module.train()
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks for both modules
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def saved_bytes(module: ObjectiveBase, batch) -> int:
+    """Bytes autograd keeps for backward during one forward (what checkpointing saves)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    module.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module.training_step(batch, 0)
+    return total
+
+
+@pytest.mark.parametrize("arch", ["encoder", "decoder", "encoder_decoder"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(arch):
+    torch.manual_seed(0)
+    plain = OBJECTIVES[arch](tiny(arch), skip_nonfinite=False)
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.activation_checkpointing = True  # what the constructor option sets
+    checkpointed.configure_model()
+    blocks = [m for m in checkpointed.modules() if isinstance(m, Block)]
+    assert blocks and all(type(m) is CheckpointedBlock for m in blocks)
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())  # names unchanged
+
+    batch = batch_for(arch)
+    loss, grads = loss_and_grads(plain, batch)
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed, batch)
+    torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
+    assert grads_ckpt.keys() == grads.keys() and len(grads) == len(list(plain.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-6, atol=1e-7, msg=name)
+    # and it does save memory: the blocks keep only their inputs
+    assert saved_bytes(checkpointed, batch) < 0.6 * saved_bytes(plain, batch)
+
+
+def test_checkpointing_through_the_constructor_and_idempotent():
+    torch.manual_seed(0)
+    module = PlainLM(tiny("decoder", n_layers=3), activation_checkpointing=True)
+    assert module.activation_checkpointing and not module.compile_blocks
+    module.configure_model()
+    module.configure_model()  # Lightning may call it again
+    assert sum(type(m) is CheckpointedBlock for m in module.modules()) == 3
+    ref = PlainLM(tiny("decoder", n_layers=3))
+    ref.load_state_dict(module.state_dict())
+    batch = batch_for("decoder")
+    loss, grads = loss_and_grads(module, batch)
+    loss_ref, grads_ref = loss_and_grads(ref, batch)
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-7, msg=name)
+    # without gradients (evaluation, generation) nothing is recomputed and outputs match
+    module.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(batch["input_ids"]), ref.model(batch["input_ids"]))
+
+
+def test_checkpoint_block_refuses_other_modules():
+    with pytest.raises(TypeError, match="Block"):
+        checkpoint_block(torch.nn.Linear(3, 5))
+
+
+def test_compile_runs_a_step_and_matches_eager():
+    """torch.compile per block (inductor on CPU); measured about 25 s for the first step here."""
+    cfg = tiny("decoder", dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    eager = PlainLM(cfg)
+    compiled = PlainLM(cfg, compile=True)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.configure_model()
+    blocks = [m for m in compiled.modules() if isinstance(m, Block)]
+    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in blocks)
+    batch = batch_for("decoder")
+    start = time.perf_counter()
+    loss, grads = loss_and_grads(compiled, batch)
+    seconds = time.perf_counter() - start
+    loss_ref, grads_ref = loss_and_grads(eager, batch)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert seconds < 120, f"compiling took {seconds:.0f} s"
+
+
+# ----------------------------------------------------------------------------- the core's fast paths
+# Each fast path must equal the plain computation it replaces.
+from lit_transformer.model.attention import Attention, _stack  # noqa: E402
+
+
+def attention(n_kv_heads: int, bias: bool) -> Attention:
+    torch.manual_seed(0)
+    return Attention(12, 3, n_kv_heads, 4, bias=bias, dropout=0.0, scale=True, impl="sdpa")
+
+
+@pytest.mark.parametrize("n_kv_heads", [3, 1])
+@pytest.mark.parametrize("bias", [True, False])
+def test_stacked_projections_equal_separate_ones(n_kv_heads, bias):
+    """q, k, v (and cross-attention k, v) as one stacked product: the same outputs and the same
+    gradients for every weight as three products (forced by a hook, which disables stacking)."""
+    x = torch.randn(B, T, 12, requires_grad=True)  # 21 tokens >= d_model 12: stacked
+    memory = torch.randn(B, 5, 12)  # 15 tokens: stacked too
+    results = []
+    for separate in (False, True):
+        attn = attention(n_kv_heads, bias)
+        if separate:
+            for m in (attn.q, attn.k, attn.v):
+                m.register_forward_hook(lambda *_: None)
+        assert _stack(x, attn.q, attn.k, attn.v) is not separate
+        x.grad = None
+        out = attn(x, is_causal=True) + attn(x, memory=memory).flip(1)  # (B, T, C)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in attn.named_parameters()}))
+    (out, gx, grads), (out_ref, gx_ref, grads_ref) = results
+    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_projections_are_not_stacked_for_few_tokens():
+    attn = attention(3, True)
+    assert not _stack(torch.randn(1, 1, 12), attn.q, attn.k, attn.v)  # KV-cache decoding step
+
+    class Adapter(torch.nn.Linear):  # a replaced projection (e.g. LoRA) must be called, not bypassed
+        pass
+
+    assert not _stack(torch.randn(B, T, 12), Adapter(12, 12), attn.k, attn.v)
+    assert _stack(torch.randn(B, T, 12), attn.q, attn.k, attn.v)
+
+
+@pytest.mark.parametrize("arch,position", [("decoder", "learned"), ("decoder", "alibi"), ("encoder", "learned"),
+                                           ("encoder_decoder", "t5_relative")])
+def test_all_ones_mask_and_shared_positions_take_the_fused_paths_with_the_same_result(arch, position):
+    """An all-ones mask is dropped (SDPA without a bias tensor) and default positions are looked
+    up once for the batch ((1, H, T, S) biases): both equal explicit masks and positions, which
+    take the general paths."""
+    cfg = tiny(arch, position=position, dropout=0.0, attention_dropout=0.0, type_vocab_size=2,
+               lm_head="linear")
+    torch.manual_seed(0)
+    model = LanguageModel.from_config(cfg).eval()
+    stack = model.transformer.encoder if arch != "decoder" else model.transformer.decoder
+    ids = torch.randint(4, V, (B, T))
+    ones = torch.ones(B, T, dtype=torch.long)
+    explicit = torch.arange(T).repeat(B, 1)  # (B, T), contiguous: not recognisably shared
+    bias, is_causal, _ = stack._self_bias(ones, torch.arange(T).expand(B, T), None, torch.float32)
+    if position == "learned":
+        assert bias is None and is_causal == (arch == "decoder")  # nothing to add: SDPA's fused path
+    else:
+        assert bias.shape[0] == 1  # one position bias for the whole batch
+    fast = stack(ids, ones)
+    general = stack(ids, None, position_ids=explicit)
+    torch.testing.assert_close(fast, general, rtol=1e-5, atol=1e-6)
+    padded = ones.clone()
+    padded[1, 5:] = 0  # another row padded: the bias path, per row
+    torch.testing.assert_close(stack(ids, padded)[0], fast[0], rtol=1e-5, atol=1e-6)
