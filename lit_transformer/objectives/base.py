@@ -91,6 +91,18 @@ class ObjectiveBase(L.LightningModule):
         self._window_step = 0
 
     # ------------------------------------------------------------------ training
+    def token_normalizer(self, count: torch.Tensor) -> torch.Tensor:
+        """What to divide a rank's summed token loss by, so that DDP/FSDP's mean of the ranks'
+        gradients is the gradient of (all ranks' summed loss / all ranks' tokens): the global
+        token count / world size. Dividing by the local count would weight a token on a rank
+        with few targets (MLM masks, seq2seq padding) more than one on a busy rank."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if world == 1 or not torch.distributed.is_initialized():
+            return count.clamp(min=1)
+        total = count.detach().to(torch.float64).clone()
+        torch.distributed.all_reduce(total)
+        return (total / world).clamp(min=1).to(count.device)
+
     def finish_training_step(self, loss: torch.Tensor, nll_mean: torch.Tensor | None,
                              batch: dict[str, torch.Tensor], *, flop_tokens: torch.Tensor | float,
                              head_positions: torch.Tensor | float,

@@ -37,7 +37,7 @@ class CausalLM(ObjectiveBase):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, nll_sum, count = self._terms(batch, self.optim.label_smoothing)
-        n = count.clamp(min=1)
+        n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
         return self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count)

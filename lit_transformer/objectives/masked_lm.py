@@ -42,7 +42,7 @@ class MaskedLM(ObjectiveBase):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, nll_sum, count, correct = self._masked_terms(batch, self.optim.label_smoothing)
-        n = count.clamp(min=1)
+        n = self.token_normalizer(count)
         return self.finish_training_step(
             loss_sum / n, nll_sum / n, batch, flop_tokens=self._tokens(batch), head_positions=count,
             metrics={"masked_accuracy": correct / n},

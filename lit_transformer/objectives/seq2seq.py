@@ -74,7 +74,7 @@ class Seq2SeqLM(ObjectiveBase):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, nll_sum, count, correct = self._terms(batch, self.optim.label_smoothing)
-        n = count.clamp(min=1)
+        n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         source_tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
         return self.finish_training_step(
