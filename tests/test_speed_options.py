@@ -1,20 +1,26 @@
-"""The objectives' speed options (issue 5): per-block activation checkpointing and per-block
-torch.compile, applied in `configure_model` without a device mesh (FSDP2 composes with both
-there; its own tests run under the distributed suite).
+"""Issue 5's speed work: the objectives' options (per-block activation checkpointing, alone
+and under FSDP2 with 2 gloo processes; per-block torch.compile) and the core's fast paths
+(stacked projections, dropped all-ones masks, batch-shared position biases, CPU bf16
+attention as two matrix products), each against the plain computation it replaces.
 
-Odd tiny sizes (batch 3, length 7, vocabulary 99) and dropout on, so that a recomputation
-that drew new dropout masks would change the loss.
+Odd tiny sizes (batch 3, length 7, vocabulary 99) and dropout on where it matters, so that a
+recomputation that drew new dropout masks would change the loss.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from lit_transformer.model import LanguageModel, TransformerConfig
+from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
 from lit_transformer.model.transformer import Block
 from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
 from lit_transformer.objectives.base import CheckpointedBlock, ObjectiveBase, checkpoint_block
@@ -161,7 +167,6 @@ def test_compile_runs_a_step_and_matches_eager():
 
 # ----------------------------------------------------------------------------- the core's fast paths
 # Each fast path must equal the plain computation it replaces.
-from lit_transformer.model.attention import Attention, _stack  # noqa: E402
 
 
 def attention(n_kv_heads: int, bias: bool) -> Attention:
@@ -231,3 +236,84 @@ def test_all_ones_mask_and_shared_positions_take_the_fused_paths_with_the_same_r
     padded = ones.clone()
     padded[1, 5:] = 0  # another row padded: the bias path, per row
     torch.testing.assert_close(stack(ids, padded)[0], fast[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["full", "causal", "bias", "gqa_causal"])
+def test_cpu_matmul_attention_matches_the_float32_reference(case):
+    """On CPU in bf16, `attend(impl="sdpa")` runs two batched products and a softmax instead of
+    SDPA (faster there); outputs and gradients (T5's learned bias included) stay within bf16
+    rounding of the float32 math path."""
+    g = torch.Generator().manual_seed(3)
+    n_kv = 1 if case == "gqa_causal" else 3
+    q = torch.randn(B, 3, T, 8, generator=g)
+    k, v = torch.randn(B, n_kv, T, 8, generator=g), torch.randn(B, n_kv, T, 8, generator=g)
+    bias = torch.randn(1, 3, T, T, generator=g) if case == "bias" else None
+    is_causal = case in ("causal", "gqa_causal")
+    assert _matmuls_faster(q.bfloat16(), k.bfloat16(), is_causal)
+    assert not _matmuls_faster(q, k, is_causal)  # float32 keeps SDPA
+    outputs = []
+    for dtype, impl in ((torch.bfloat16, "sdpa"), (torch.float32, "math")):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        b = None if bias is None else bias.to(dtype).requires_grad_()
+        out = attend(*leaves, b, is_causal=is_causal, scale=8 ** -0.5, dropout=0.0, impl=impl)
+        out.float().square().sum().backward()
+        outputs.append([out] + [t.grad for t in leaves] + ([b.grad] if b is not None else []))
+    for fast, ref in zip(*outputs):
+        assert fast.dtype == torch.bfloat16 and fast.shape == ref.shape
+        error = (fast.float() - ref).norm() / ref.norm()
+        assert error < 1e-2, f"relative error {error:.4f}"  # bf16 keeps 8 bits: about 4e-3 per rounding
+
+
+# ----------------------------------------------------------------------------- with FSDP2
+_FSDP_SCRIPT = r"""
+import json, sys, warnings, torch, lightning as L
+from torch.utils.data import DataLoader
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lit_transformer.model import TransformerConfig
+from lit_transformer.objectives import CausalLM, OptimConfig
+from lit_transformer.objectives.base import CheckpointedBlock
+warnings.filterwarnings("ignore")
+torch.set_num_threads(1)
+torch.manual_seed(0)
+checkpointing = sys.argv[1] == "1"
+cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44, max_seq_len=32,
+                        dropout=0.1)
+module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0))
+module.activation_checkpointing = checkpointing
+ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]
+losses = []
+
+class Record(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        losses.append(float(outputs["loss"]))
+
+fit = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, callbacks=[Record()])
+fit.fit(module, DataLoader([{"input_ids": ids, "labels": labels}] * 16, batch_size=None))
+blocks = module.model.transformer.decoder.blocks
+report = {"losses": losses, "checkpointed": all(isinstance(b, CheckpointedBlock) for b in blocks),
+          "sharded": type(blocks[0].attn.q.weight).__name__ == "DTensor"}
+with open(f"report_{int(checkpointing)}_{fit.global_rank}.json", "w") as f:
+    json.dump(report, f)
+"""
+
+
+def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
+    """configure_model checkpoints every block, then FSDP2 shards it (2 gloo processes, dropout
+    on): the same per-step losses on every rank as without checkpointing."""
+    script = tmp_path / "fsdp_ac.py"
+    script.write_text(_FSDP_SCRIPT)
+    for flag in ("0", "1"):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(21000 + os.getpid() % 20000 + int(flag)),
+                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        result = subprocess.run([sys.executable, str(script), flag], capture_output=True, text=True, env=env,
+                                cwd=tmp_path, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        plain = json.loads((tmp_path / f"report_0_{rank}.json").read_text())
+        checkpointed = json.loads((tmp_path / f"report_1_{rank}.json").read_text())
+        assert checkpointed["checkpointed"] and not plain["checkpointed"]
+        assert checkpointed["sharded"] and plain["sharded"]
+        assert len(plain["losses"]) == 4
+        assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-6)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention, KVCache, masked_value
+from .attention import Attention, KVCache, compute_dtype, masked_value
 from .config import TransformerConfig
 from .layers import FeedForward, make_norm
 from .positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
@@ -38,17 +38,26 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.tokens(input_ids) * self.scale  # (B, T, C)
+                token_type_ids: torch.Tensor | None = None, *, max_position: int | None = None) -> torch.Tensor:
+        """`max_position`: the largest entry of `positions` when the caller knows it (it built
+        them), which spares the check below a device-to-host sync."""
+        x = self.tokens(input_ids)  # (B, T, C)
+        if self.scale != 1.0:
+            x = x * self.scale
         if self.token_types is not None:
-            x = x + self.token_types(token_type_ids if token_type_ids is not None else torch.zeros_like(input_ids))
+            # Without token types every token has type 0: add that one row to all (no (B, T) lookup).
+            x = x + (self.token_types(token_type_ids) if token_type_ids is not None else self.token_types.weight[0])
         if self.positions is not None:
-            if positions.max() >= self.positions.num_embeddings:
+            largest = int(positions.max()) if max_position is None else max_position
+            if largest >= self.positions.num_embeddings:
                 raise ValueError(
-                    f"position {int(positions.max())} is past model.max_seq_len={self.positions.num_embeddings} "
+                    f"position {largest} is past model.max_seq_len={self.positions.num_embeddings} "
                     "(learned positions)"
                 )
-            x = x + self.positions(positions)
+            if positions.stride(0) == 0:  # one row expanded over the batch: look it up once
+                x = x + self.positions(positions[:1])  # (1, T, C)
+            else:
+                x = x + self.positions(positions)
         elif self.sinusoidal:
             x = x + sinusoidal(positions, x.shape[-1]).to(x.dtype)
         if self.norm is not None:
@@ -121,18 +130,23 @@ class Stack(nn.Module):
         """input_ids (B, T), attention_mask (B, T) with 1 for real tokens -> hidden (B, T, C)."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
+        max_position = None
         if position_ids is None:
+            # expanded, not copied: stride 0 over the batch tells the position tables that
+            # every row is the same
             position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+            max_position = past + T - 1
         if cache is not None and past + T > cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} tokens; {past + T} requested")
-        x = self.embed(input_ids, position_ids, token_type_ids)
-        bias, is_causal, k_positions = self._self_bias(attention_mask, position_ids, cache, x.dtype)
+        x = self.embed(input_ids, position_ids, token_type_ids, max_position=max_position)
+        dtype = compute_dtype(x)
+        bias, is_causal, k_positions = self._self_bias(attention_mask, position_ids, cache, dtype)
         rope = None
         if self.cfg.position == "rope":
             rope = tuple(t.to(x.dtype) for t in rope_cos_sin(position_ids, self.cfg.dim_per_head, self.cfg.rope_base))
         memory_bias = None
-        if memory is not None and memory_mask is not None:
-            memory_bias = _padding_bias(memory_mask.bool(), x.dtype)  # (B, 1, 1, S)
+        if memory is not None and memory_mask is not None and not _all_true(memory_mask, cache):
+            memory_bias = _padding_bias(memory_mask.bool(), dtype)  # (B, 1, 1, S)
         for i, block in enumerate(self.blocks):
             x = block(x, bias, is_causal=is_causal, rope=rope, memory=memory, memory_bias=memory_bias,
                       cache=cache, layer=i)
@@ -155,26 +169,54 @@ class Stack(nn.Module):
             key_mask, k_positions = cache.key_mask[:, :past + T], cache.positions[:, :past + T]  # (B, S)
         else:
             past = 0
-            key_mask = attention_mask.bool() if attention_mask is not None else None
+            key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
             k_positions = q_positions
         position_bias = None
-        if self.relative_bias is not None:
-            position_bias = self.relative_bias(q_positions, k_positions)  # (B, H, T, S)
-        elif self.cfg.position == "alibi":
-            position_bias = alibi_bias(q_positions, k_positions, self.cfg.n_heads)
+        if self.relative_bias is not None or self.cfg.position == "alibi":
+            # Positions shared by the batch (stride 0, as Stack builds them): one (1, H, T, S)
+            # bias instead of B copies, and B times less backward work for T5's table.
+            shared = _batch_shared(q_positions, k_positions)
+            q_pos = q_positions[:1] if shared else q_positions  # (B|1, T)
+            k_pos = k_positions[:1] if shared else k_positions  # (B|1, S)
+            if self.relative_bias is not None:
+                position_bias = self.relative_bias(q_pos, k_pos)  # (B|1, H, T, S)
+            else:
+                position_bias = alibi_bias(q_pos, k_pos, self.cfg.n_heads)
         if key_mask is None and position_bias is None and past == 0:
             return None, self.causal, k_positions  # fused path: no bias tensor at all
         S = past + T
-        keep = torch.ones(B, 1, T, S, dtype=torch.bool, device=q_positions.device)
+        keep = None  # (B|1, 1, T|1, S), broadcast as far as the mask allows
         if key_mask is not None:
-            keep = keep & key_mask[:, None, None, :]
+            keep = key_mask[:, None, None, :]  # (B, 1, 1, S)
         if self.causal:
-            q_index = torch.arange(past, S, device=keep.device)[:, None]  # (T, 1) in cache coordinates
-            keep = keep & (torch.arange(S, device=keep.device)[None, :] <= q_index)
-        bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, masked_value(dtype))
+            q_index = torch.arange(past, S, device=q_positions.device)[:, None]  # (T, 1) in cache coordinates
+            causal = torch.arange(S, device=q_positions.device)[None, :] <= q_index  # (T, S)
+            keep = causal[None, None] if keep is None else keep & causal
+        bias = None
+        if keep is not None:
+            bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, masked_value(dtype))
         if position_bias is not None:
-            bias = bias + position_bias.to(dtype)
+            position_bias = position_bias.to(dtype)
+            bias = position_bias if bias is None else bias + position_bias  # (B|1, H|1, T, S)
         return bias, False, k_positions
+
+
+def _all_true(mask: torch.Tensor | None, cache: KVCache | None) -> bool:
+    """Whether a padding mask masks nothing (packed batches: the collators always send one), so
+    that attention can take SDPA's fused path without a bias tensor, causal blocks skipped,
+    as transformers does for all-ones masks. One device-to-host sync per call, so not while
+    decoding with a cache (where the mask lives on in the cache anyway) nor while compiling
+    (a data-dependent branch would break the graph)."""
+    if mask is None:
+        return True
+    if cache is not None or torch.compiler.is_compiling():
+        return False
+    return bool(mask.all())
+
+
+def _batch_shared(*positions: torch.Tensor) -> bool:
+    """Whether every batch row holds the same positions by construction (expanded, stride 0)."""
+    return all(p.shape[0] == 1 or p.stride(0) == 0 for p in positions)
 
 
 def _padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,278 @@
+"""Training speed against transformers and the hardware, plus generation and data preparation.
+
+For each family (BERT masked LM, GPT-2 causal LM, T5 span corruption) at a GPT-2-small-class
+size (d_model 768, 12 heads, d_ff 3072, the families' own vocabularies), one training step
+(forward + backward + AdamW) of ours, through the objective a run trains with, and of
+transformers' BertForMaskedLM / GPT2LMHeadModel / T5ForConditionalGeneration built from the
+equivalent config (our export mapping) with OUR weights copied in (so the first losses must
+agree: a check that both compute the same model), the same batch, precision, dropout (0) and
+optimizer (torch's fused AdamW on both). Both run in one process, step by step alternately
+with a bf16 matrix-product probe, so that background load falls on all three alike.
+
+    python benchmarks/run.py --quick            # CPU: 4 layers, T=256; about 4 minutes on 2 cores
+    python benchmarks/run.py --quick --json     # one JSON object on stdout (the table on stderr)
+    python benchmarks/run.py                    # CPU: 12 layers, T=512
+    python benchmarks/run.py --device cuda --compile --json   # GPU figures (GPT-2 at T=1024)
+
+Reported per family:
+  tokens_per_s      sequence tokens per second of the fastest step (the least disturbed by
+                    other processes; medians are in the JSON). T5: encoder input tokens, as the
+                    T5 paper and `accounting.train_flops_per_token` count them.
+  speedup_vs_transformers  the median over rounds of transformers' step time / ours, each
+                    ratio from two adjacent steps (robust to load that changes during the run;
+                    `speedup_of_best_steps` is the ratio of the fastest steps).
+  mfu               tokens_per_s x model FLOPs per token / matmul_peak_flops. FLOPs are
+                    `accounting.train_flops` (PaLM's 6N + attention, full T x T scores), with the
+                    LM head counted on the positions it actually runs on: all of them, except
+                    in our masked LM, which projects only the masked 15% (transformers' BERT
+                    projects all, and `transformers_mfu` counts all).
+  matmul_peak_flops the highest FLOP/s of a 4096^3 (CPU) or 8192^3 (GPU) bf16 torch.mm loop,
+                    sampled before, between and after the training steps.
+  peak_memory_bytes GPU: torch.cuda.max_memory_allocated during a step above what was allocated
+                    before it, plus the side's own parameters and AdamW state. CPU: the
+                    resident-set high-water mark of a fresh process that builds that side alone
+                    and runs two steps, less its resident set after the imports: weights,
+                    gradients, AdamW moments and the activation peak, plus allocator slack.
+Precision: bf16-mixed by default, i.e. torch.autocast(bfloat16) around forward and loss with
+float32 weights and optimizer, the same on both sides (--precision bf16-true: bf16 weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SIZES = {  # (layers per stack, sequence length, batch) for each mode
+    "quick": {"bert_mlm": (4, 256, 4), "gpt2_clm": (4, 256, 4), "t5_span": (4, 256, 4)},
+    "cpu": {"bert_mlm": (12, 512, 2), "gpt2_clm": (12, 512, 2), "t5_span": (12, 512, 2)},
+    "cuda": {"bert_mlm": (12, 512, 32), "gpt2_clm": (12, 1024, 16), "t5_span": (12, 512, 32)},
+}
+TARGETS = {"cpu_speedup": 1.5, "cpu_mfu": 0.25, "gpu_speedup": 1.3, "gpu_gpt2_mfu": 0.45}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--quick", action="store_true", help="CPU smoke sizes: 4 layers, T=256, B=4, 5 timed steps")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (tables on stderr)")
+    p.add_argument("--families", default=",".join(common.FAMILIES), help="comma-separated subset")
+    p.add_argument("--precision", default="bf16-mixed", choices=common.PRECISIONS)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile: ours per block (the objective's option), transformers' whole model")
+    p.add_argument("--layers", type=int, help="override the layers per stack")
+    p.add_argument("--seq-len", type=int, help="override the sequence (T5: encoder input) length")
+    p.add_argument("--batch", type=int, help="override the batch size")
+    p.add_argument("--rounds", type=int, help="timed steps per side (default 5 on CPU, 10 on GPU)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument("--no-generation", action="store_true")
+    p.add_argument("--no-data-prep", action="store_true")
+    args = p.parse_args(argv)
+    args.cuda = args.device.startswith("cuda")
+    if args.cuda and args.quick:
+        p.error("--quick is the CPU smoke run; on a GPU run the full sizes")
+    if args.compile and not args.cuda and args.quick:
+        p.error("--compile on CPU compiles for minutes; not with --quick")
+    args.mode = "cuda" if args.cuda else "quick" if args.quick else "cpu"
+    args.rounds = args.rounds or {"quick": 5, "cpu": 5, "cuda": 10}[args.mode]
+    args.warmup = 3 if args.cuda else 2 if args.compile else 1
+    args.families = [f.strip() for f in args.families.split(",") if f.strip()]
+    for family in args.families:
+        if family not in common.FAMILIES:
+            p.error(f"unknown family {family!r}; choose from {', '.join(common.FAMILIES)}")
+    return args
+
+
+def log(*parts) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def device_name(args) -> str:
+    if args.cuda:
+        return f"{torch.cuda.get_device_name(args.device)} ({args.device})"
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"cpu: {cpu}, {torch.get_num_threads()} threads"
+
+
+def setup_args(args, family: str) -> dict:
+    layers, seq_len, batch = SIZES[args.mode][family]
+    return {"layers": args.layers or layers, "seq_len": args.seq_len or seq_len, "batch": args.batch or batch}
+
+
+def make_peak(args) -> common.MatmulPeak:
+    if args.cuda:
+        return common.MatmulPeak(args.device, size=8192, inner=10)
+    return common.MatmulPeak(args.device, size=4096, inner=2)
+
+
+def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
+    sargs = setup_args(args, family)
+    setup = common.make_setup(family, **sargs)
+    batch = common.make_batch(setup, args.device)
+    ours = common.build_ours(setup, args.device, args.precision, compile=args.compile)
+    hf = common.build_hf(setup, args.device, args.precision, compile=args.compile, ours=ours.module.model)
+    # The first step of each: same weights, same batch, so the losses must agree.
+    loss, hf_loss = float(ours.step(batch)), float(hf.step(batch))
+    times = common.time_alternating({"ours": ours.step, "hf": hf.step, "peak": peak}, batch, args.device,
+                                    warmup=max(args.warmup - 1, 0), rounds=args.rounds)
+    best, hf_best = min(times["ours"]), min(times["hf"])
+    flops = common.spent_flops(setup, batch, head_everywhere=family != "bert_mlm")
+    hf_flops = common.spent_flops(setup, batch, head_everywhere=True)
+    tokens = setup.tokens
+    result = {
+        "family": family, "config": setup.description,
+        "precision": args.precision + (" compile" if args.compile else ""),
+        "tokens_per_s": tokens / best, "mfu": None, "peak_memory_bytes": None,
+        "transformers_tokens_per_s": tokens / hf_best,
+        "speedup_vs_transformers": common.paired_speedup(times["ours"], times["hf"]),
+        "speedup_of_best_steps": hf_best / best,
+        "tokens_per_s_median": tokens / statistics.median(times["ours"]),
+        "transformers_tokens_per_s_median": tokens / statistics.median(times["hf"]),
+        "step_seconds": times["ours"], "transformers_step_seconds": times["hf"],
+        "tokens_per_step": tokens, "flops_per_token": flops / tokens,
+        "transformers_flops_per_token": hf_flops / tokens,
+        "transformers_mfu": None, "transformers_peak_memory_bytes": None,
+        "first_loss": loss, "transformers_first_loss": hf_loss,
+    }
+    if abs(loss - hf_loss) > 0.02 * abs(hf_loss):
+        log(f"WARNING {family}: first losses differ (ours {loss:.4f}, transformers {hf_loss:.4f})")
+    if not args.no_memory:
+        if args.cuda:
+            result["peak_memory_bytes"] = cuda_side_peak(ours, batch)
+            result["transformers_peak_memory_bytes"] = cuda_side_peak(hf, batch)
+        else:
+            del ours, hf  # the child processes need the memory more
+            for side, key in (("ours", "peak_memory_bytes"), ("hf", "transformers_peak_memory_bytes")):
+                result[key] = common.peak_memory_subprocess(family, side, sargs, args.precision,
+                                                            threads=torch.get_num_threads())
+    return result
+
+
+def cuda_side_peak(side: "common.Side", batch) -> int:
+    """Peak bytes of one side's step as if it ran alone: the step's peak above what was
+    allocated before it, plus this side's own resident parameters and optimizer state."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    side.step(batch)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before + side.resident_bytes()
+
+
+def generation_report(args) -> dict:
+    import generation
+
+    argv = ["--device", args.device] + (["--quick"] if args.quick else [])
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    with contextlib.redirect_stdout(sys.stderr):
+        return generation.main(argv)
+
+
+def data_prep_report() -> dict:
+    import data_prep
+
+    saved = sys.argv
+    sys.argv = ["data_prep.py", "--json"]  # data_prep.main() reads its arguments from sys.argv
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            return data_prep.main()
+    finally:
+        sys.argv = saved
+
+
+def _gib(x) -> str:
+    return f"{x / 2**30:.2f}G" if x is not None else "-"
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f}%" if x is not None else "-"
+
+
+def print_table(report: dict, out) -> None:
+    peak = report["matmul_peak_flops"]
+    print(f"device: {report['device']}; bf16 matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
+          "(tok/s: fastest step; speed-up: median of adjacent-step ratios)", file=out)
+    print(f"{'family':<9} {'precision':<18} {'ours tok/s':>11} {'hf tok/s':>10} {'speed-up':>9} {'MFU':>6} "
+          f"{'hf MFU':>7} {'ours mem':>9} {'hf mem':>9}  config", file=out)
+    for r in report["results"]:
+        print(f"{r['family']:<9} {r['precision']:<18} {r['tokens_per_s']:>11.1f} "
+              f"{r['transformers_tokens_per_s']:>10.1f} {r['speedup_vs_transformers']:>8.2f}x {_pct(r['mfu']):>6} "
+              f"{_pct(r['transformers_mfu']):>7} {_gib(r['peak_memory_bytes']):>9} "
+              f"{_gib(r['transformers_peak_memory_bytes']):>9}  {r['config']}", file=out)
+    gen = report.get("generation")
+    if isinstance(gen, dict) and "kv_cache" in gen:
+        print(f"generation ({gen['model']}, {gen['new_tokens']} new tokens, {gen['dtype']}): KV cache "
+              f"{gen['kv_cache']['tokens_per_s']:.1f} tok/s, recompute {gen['recompute']['tokens_per_s']:.1f} tok/s, "
+              f"speed-up {gen['speedup']:.1f}x", file=out)
+    prep = report.get("data_prep")
+    if isinstance(prep, dict) and "first_run_mb_per_s" in prep:
+        print(f"data preparation: {prep['first_run_mb_per_s']} MB/s first run ({prep['mb']} MB), "
+              f"reload {prep['reload_speedup']}x faster", file=out)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    report = {"results": [], "matmul_peak_flops": None, "generation": None, "data_prep": None,
+              "device": device_name(args), "torch": torch.__version__, "mode": args.mode, "targets": TARGETS}
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    peak = make_peak(args)
+    for _ in range(3):
+        peak()
+    log(f"{report['device']}: bf16 matmul peak {peak.best / 1e9:.1f} GFLOP/s (so far)")
+    for family in args.families:
+        t0 = time.perf_counter()
+        result = run_family(args, family, peak)
+        report["results"].append(result)
+        log(f"{family}: ours {result['tokens_per_s']:.1f} tok/s, transformers "
+            f"{result['transformers_tokens_per_s']:.1f} tok/s ({result['speedup_vs_transformers']:.2f}x) "
+            f"in {time.perf_counter() - t0:.0f} s")
+    for _ in range(3):
+        peak()
+    report["matmul_peak_flops"] = peak.best
+    report["matmul_peak_flops_measurements"] = peak.rates
+    for r in report["results"]:
+        r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak.best
+        r["transformers_mfu"] = r["transformers_tokens_per_s"] * r["transformers_flops_per_token"] / peak.best
+    if not args.no_generation:
+        try:
+            report["generation"] = generation_report(args)
+        except Exception as error:  # a benchmark section failing must not hide the others
+            report["generation"] = {"error": repr(error)}
+    if not args.no_data_prep:
+        try:
+            report["data_prep"] = data_prep_report()
+        except Exception as error:
+            report["data_prep"] = {"error": repr(error)}
+    report["seconds"] = time.perf_counter() - start
+    print_table(report, sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(common.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
