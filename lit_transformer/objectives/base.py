@@ -211,9 +211,17 @@ class ObjectiveBase(L.LightningModule):
         """Parameter-name prefixes with a learning-rate factor (the classifier's backbone)."""
         return {}
 
+    def _fused_allowed(self) -> bool:
+        """Lightning's mixed-precision plugin refuses gradient clipping with an optimizer that
+        unscales gradients itself (fused AdamW), so fused is used only without that pairing."""
+        if self._trainer is None:
+            return True
+        mixed = str(self.trainer.precision).endswith("-mixed")
+        return not (mixed and self.trainer.gradient_clip_val)
+
     def configure_optimizers(self):
         groups = parameter_groups(self, self.optim.weight_decay, lr_scales=self.lr_scales())
-        optimizer = build_optimizer(groups, self.optim)
+        optimizer = build_optimizer(groups, self.optim, allow_fused=self._fused_allowed())
         max_steps = self.max_steps
         if (max_steps is None or max_steps <= 0) and self._trainer is not None:
             estimated = self.trainer.estimated_stepping_batches
