@@ -6,7 +6,8 @@ import torch
 
 from lit_transformer.data import stdlib
 from lit_transformer.data.collate import (IGNORE_INDEX, CLMCollator, ClassifyCollator, MLMCollator,
-                                          Seq2SeqCollator, batch_generator, word_start_table)
+                                          Seq2SeqCollator, batch_generator, example_generators,
+                                          word_start_table)
 from lit_transformer.data.config import TokenizerConfig
 from lit_transformer.data.span import SpanCorruptionCollator, span_lengths
 from lit_transformer.data.tokenizer import SpecialTokens, train_tokenizer
@@ -66,6 +67,44 @@ def test_mlm_is_a_function_of_the_generator():
     a, b = collator(ex, batch_generator(1, 0, 0, 5)), collator(ex, batch_generator(1, 0, 0, 5))
     c = collator(ex, batch_generator(1, 0, 0, 6))
     assert all(torch.equal(a[k], b[k]) for k in a) and not torch.equal(a["labels"], c["labels"])
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_mlm_row_depends_only_on_its_example_and_generator(whole_word):
+    """What makes 2 ranks draw the masks one process draws: an example's row is the same in a
+    batch of one, in another batch with other partners, and with more padding after it."""
+    starts = torch.rand(V, generator=torch.Generator().manual_seed(2)) < 0.5 if whole_word else None
+    collator = MLMCollator(special=SPECIAL, vocab_size=V, probability=0.4, word_starts=starts)
+    ex = _blocks(5, 23, seed=1) + [np.arange(7, 40)]  # the last one is longer: the others get padded
+    together = collator(ex, example_generators(3, 1, range(6)))
+    for i in range(5):
+        alone = collator([ex[i]], example_generators(3, 1, [i]))
+        for key in ("input_ids", "labels"):
+            assert torch.equal(together[key][i, :23], alone[key][0]), (i, key)
+    shuffled = collator([ex[4], ex[2]], example_generators(3, 1, [4, 2]))
+    assert torch.equal(shuffled["labels"][0], together["labels"][4, :23])
+    # a new epoch (or another seed) draws new masks for the same example
+    again = collator([ex[0]], example_generators(3, 2, [0]))
+    assert not torch.equal(again["labels"][0], together["labels"][0, :23])
+    assert (together["labels"] != IGNORE_INDEX).float().mean() > 0.2  # masks were drawn at all
+
+
+def test_span_row_depends_only_on_its_example_and_generator():
+    lengths = span_lengths(64)
+    collator = SpanCorruptionCollator(block_size=64, sentinel_ids=SPECIAL.sentinel_ids, eos_id=3, decoder_start_id=0)
+    rng = np.random.default_rng(0)
+    blocks = [rng.integers(7, 48, size=lengths.raw_length) for _ in range(4)]
+    together = collator(blocks, example_generators(0, 0, [10, 11, 12, 13]))
+    alone = collator([blocks[2]], example_generators(0, 0, [12]))
+    assert torch.equal(together["input_ids"][2], alone["input_ids"][0])
+    assert torch.equal(together["labels"][2], alone["labels"][0])
+    other = collator([blocks[2]], example_generators(0, 0, [11]))
+    assert not torch.equal(other["input_ids"][0], alone["input_ids"][0])
+
+
+def test_generators_must_match_the_examples():
+    with pytest.raises(ValueError, match="2 generators for 3 examples"):
+        MLMCollator(special=SPECIAL, vocab_size=V)(_blocks(3, 9), example_generators(0, 0, [0, 1]))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ Training code needs: `TextDataModule`, `DataConfig`, `TokenizerConfig`, `prepare
 """
 
 from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMCollator, Seq2SeqCollator,
-                                          batch_generator)
+                                          batch_generator, example_generators)
 from lit_transformer.data.config import DataConfig, TokenizerConfig
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.module import TextDataModule
@@ -17,5 +17,5 @@ from lit_transformer.data.tokenizer import (SpecialTokens, check_tokenizer, load
 __all__ = [
     "CLMCollator", "ClassifyCollator", "DataConfig", "DataError", "MLMCollator", "Seq2SeqCollator",
     "SpanCorruptionCollator", "SpecialTokens", "TextDataModule", "TokenizerConfig", "batch_generator",
-    "check_tokenizer", "load_tokenizer", "prepare", "save_tokenizer", "span_lengths", "train_tokenizer",
+    "check_tokenizer", "example_generators", "load_tokenizer", "prepare", "save_tokenizer", "span_lengths", "train_tokenizer",
 ]

@@ -1,8 +1,11 @@
 """Collators: lists of examples -> dicts of tensors, with explicit randomness.
 
-Every collator is called as `collator(examples, generator)`; the same examples and a generator
-in the same state give the same batch. The data module seeds one generator per batch from
-(seed, epoch, rank, batch index), so a resumed run draws exactly the masks it would have.
+Every collator is called as `collator(examples, generators)`: one torch.Generator per example
+(or one for the batch, from which each example's generator is seeded). Random collators (MLM,
+span corruption) draw each example's noise from its own generator over its own length, so an
+example comes out the same whatever batch, padding or rank it lands in. The data module keys
+each example's generator by (seed, epoch, example index): a resumed run draws exactly the masks
+it would have, and 2 ranks draw exactly the masks one process draws for the same global batch.
 
 Batch keys (B batch, T length; training code relies on these names):
 - mlm:      input_ids (B,T), attention_mask (B,T) 1 = real token, labels (B,T) -100 = not predicted
@@ -28,7 +31,28 @@ IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 
 def batch_generator(*keys: int) -> torch.Generator:
     """A torch generator seeded by a stable hash of integer keys (seed, epoch, rank, batch)."""
-    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    return _keyed_generator(tuple(int(k) for k in keys))
+
+
+def example_generators(seed: int, epoch: int, indices) -> list[torch.Generator]:
+    """One generator per example, keyed by (seed, epoch, example index) only."""
+    return [_keyed_generator(("example", int(seed), int(epoch), int(i))) for i in indices]
+
+
+def per_example(generators, count: int) -> list[torch.Generator]:
+    """`generators` as one generator per example: a list is checked and kept; a single batch
+    generator (or None: seed 0) seeds `count` new ones, one draw each."""
+    if isinstance(generators, (list, tuple)):
+        if len(generators) != count:
+            raise ValueError(f"{len(generators)} generators for {count} examples")
+        return list(generators)
+    gen = generators if generators is not None else torch.Generator().manual_seed(0)
+    seeds = torch.randint(2**62, (count,), generator=gen).tolist()
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def _keyed_generator(key: tuple) -> torch.Generator:
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
 
 
@@ -96,24 +120,32 @@ class MLMCollator:
         self.random_ids = torch.nonzero(keep).squeeze(1)  # (V',) candidates for random replacement
         self.pad_id = special.pad_id if special.pad_id is not None else 0
 
-    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
-        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+    def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
+        gens = per_example(generators, len(examples))
         ids = pad(examples, self.pad_id)  # (B, T)
-        attention_mask = _lengths_mask(examples, ids.shape[1])  # (B, T)
+        B, T = ids.shape
+        attention_mask = _lengths_mask(examples, T)  # (B, T)
         eligible = attention_mask.bool() & ~torch.isin(ids, self.never)
+        # each row's draws come from its own generator over its own length (padding draws nothing)
+        pick = torch.ones(B, T + 1)  # (B, T+1): per word (whole-word) or per token; 1 = not picked
+        r = torch.zeros(B, T)  # (B, T): mask / random / keep
+        random_tokens = torch.zeros(B, T, dtype=torch.long)
+        for row, (example, gen) in enumerate(zip(examples, gens)):
+            n = len(example)
+            words = n + 1 if self.word_starts is not None else n
+            pick[row, :words] = torch.rand(words, generator=gen)
+            r[row, :n] = torch.rand(n, generator=gen)
+            random_tokens[row, :n] = self.random_ids[torch.randint(len(self.random_ids), (n,), generator=gen)]
         if self.word_starts is not None:
             starts = self.word_starts[ids] | ~eligible
             starts[:, 1:] |= ~eligible[:, :-1]  # a word never continues across a special token
             word = torch.cumsum(starts.long(), dim=1)  # (B, T) word index, 1-based
-            pick = torch.rand(ids.shape[0], ids.shape[1] + 1, generator=gen) < self.probability  # (B, T+1) per word
-            selected = pick.gather(1, word) & eligible
+            selected = (pick < self.probability).gather(1, word) & eligible
         else:
-            selected = (torch.rand(ids.shape, generator=gen) < self.probability) & eligible
+            selected = (pick[:, :T] < self.probability) & eligible
         labels = torch.where(selected, ids, torch.full_like(ids, IGNORE_INDEX))
-        r = torch.rand(ids.shape, generator=gen)
         to_mask = selected & (r < self.mask_replace_prob)
         to_random = selected & (r >= self.mask_replace_prob) & (r < self.mask_replace_prob + self.random_replace_prob)
-        random_tokens = self.random_ids[torch.randint(len(self.random_ids), ids.shape, generator=gen)]
         input_ids = ids.clone()
         input_ids[to_mask] = self.special.mask_id
         input_ids[to_random] = random_tokens[to_random]
@@ -126,7 +158,7 @@ class CLMCollator:
     def __init__(self, *, special: SpecialTokens):
         self.pad_id = special.pad_id if special.pad_id is not None else 0
 
-    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+    def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         ids = pad(examples, self.pad_id)  # (B, T+1)
         real = _lengths_mask(examples, ids.shape[1])  # (B, T+1)
         labels = ids[:, 1:].masked_fill(real[:, 1:] == 0, IGNORE_INDEX)  # (B, T)
@@ -142,7 +174,7 @@ class Seq2SeqCollator:
         self.pad_id = special.pad_id
         self.start_id = special.decoder_start_id
 
-    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+    def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         sources = [ex[0] for ex in examples]
         targets = [ex[1] for ex in examples]
         input_ids = pad(sources, self.pad_id)  # (B, S)
@@ -168,7 +200,7 @@ class ClassifyCollator:
         self.pad_id = special.pad_id
         self.task = task
 
-    def __call__(self, examples, generator: Optional[torch.Generator] = None) -> dict[str, torch.Tensor]:
+    def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         ids = [ex["ids"] for ex in examples]
         input_ids = pad(ids, self.pad_id)  # (B, T)
         labels = [ex["label"] for ex in examples]

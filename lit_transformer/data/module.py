@@ -2,8 +2,9 @@
 
 - `prepare_data` (local rank 0): trains or loads the tokenizer and fills the token cache.
 - `setup` (every rank): opens the cache by memory map; tokenizes nothing.
-- dataloaders yield collated batches; each batch's collator generator is seeded by
-  (seed, epoch, rank, batch index), so the masks do not depend on workers or on resuming.
+- dataloaders yield collated batches; each example's collator generator is seeded by
+  (seed, epoch, example index), so the masks depend neither on workers, nor on resuming, nor
+  on how many ranks share the global batch (streaming: by (seed, epoch, rank, batch index)).
 - `state_dict` holds (epoch, batches consumed in it); Lightning saves it in checkpoints and
   restores it before building dataloaders, and the sampler then skips exactly those batches.
   Consumed batches are counted in `on_before_batch_transfer`, which Lightning calls once per
@@ -20,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMCollator, Seq2SeqCollator,
-                                          batch_generator, word_start_table)
+                                          example_generators, word_start_table)
 from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.pack import LMBlocks, RaggedExamples
 from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
@@ -32,15 +33,15 @@ from lit_transformer.data.streaming import StreamingBlocks, estimate_bytes_per_t
 class _CollatedBatches(torch.utils.data.Dataset):
     """Map-style dataset whose keys are sampler batches: (epoch, batch index, example indices)."""
 
-    def __init__(self, examples, collator: Callable, seed: int, rank: int):
-        self.examples, self.collator, self.seed, self.rank = examples, collator, seed, rank
+    def __init__(self, examples, collator: Callable, seed: int):
+        self.examples, self.collator, self.seed = examples, collator, seed
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, key) -> dict:
         epoch, index, indices = key
-        return self.collator([self.examples[i] for i in indices], batch_generator(self.seed, epoch, self.rank, index))
+        return self.collator([self.examples[i] for i in indices], example_generators(self.seed, epoch, indices))
 
 
 class _EpochLoader(DataLoader):
@@ -233,7 +234,7 @@ class TextDataModule(L.LightningDataModule):
         examples = self._datasets[split]
         sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
                                         drop_last=train, rank=self.rank, world_size=self.world_size)
-        dataset = _CollatedBatches(examples, self.collator, self.seed, self.rank)
+        dataset = _CollatedBatches(examples, self.collator, self.seed)
         if not train:
             return DataLoader(dataset, sampler=sampler, **kwargs)
         self._train_sampler = sampler

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lit_transformer.data.collate import per_example
 from lit_transformer.data.errors import DataError
 
 
@@ -106,13 +107,12 @@ class SpanCorruptionCollator:
         self.eos_id = eos_id
         self.decoder_start_id = decoder_start_id
 
-    def __call__(self, examples, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        gen = generator if generator is not None else torch.Generator().manual_seed(0)
-        # numpy is ~50x faster than torch on these tiny per-example arrays; one draw from the
-        # torch generator seeds it, so the batch stays a function of the generator's state
-        rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=gen)))
+    def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         inputs, targets = [], []
-        for ex in examples:
+        for ex, gen in zip(examples, per_example(generators, len(examples))):
+            # numpy is ~50x faster than torch on these tiny per-example arrays; one draw from the
+            # example's torch generator seeds it, so the row stays a function of that generator
+            rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=gen)))
             tokens = np.asarray(ex, dtype=np.int64)
             if tokens.shape != (self.lengths.raw_length,):
                 raise DataError(f"span corruption expects raw blocks of {self.lengths.raw_length} tokens, "
