@@ -85,8 +85,8 @@ class TrainerConfig:
     # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
     # second thread and lose several times over when other processes share the cores.
     num_threads: Optional[int] = None
-    compile: bool = False  # torch.compile: not wired yet, true is an error (planned with FSDP2, issue 5)
-    activation_checkpointing: bool = False  # recompute each block in backward; strategy=fsdp only for now
+    compile: bool = False  # torch.compile each Transformer block (inductor; needs a C++ compiler on CPU)
+    activation_checkpointing: bool = False  # recompute each block in backward: memory for ~1 more forward
     # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     nonfinite_patience: int = 10
 
@@ -386,9 +386,6 @@ def check_ranges(cfg: Any, source: str) -> None:
     need(t.gradient_clip_val is None or t.gradient_clip_val > 0, "trainer.gradient_clip_val",
          t.gradient_clip_val, "must be positive or null")
     need(t.num_threads is None or t.num_threads > 0, "trainer.num_threads", t.num_threads, "must be positive or null")
-    need(not t.compile, "trainer.compile", t.compile, "is not supported yet (torch.compile arrives with FSDP2)")
-    need(not t.activation_checkpointing or t.strategy == "fsdp", "trainer.activation_checkpointing",
-         t.activation_checkpointing, "needs trainer.strategy=fsdp for now")
     need(t.limit_val_batches is None or t.limit_val_batches > 0, "trainer.limit_val_batches",
          t.limit_val_batches, "must be positive or null")
     need(f.backbone_lr_ratio > 0, "finetune.backbone_lr_ratio", f.backbone_lr_ratio, "must be positive")

@@ -69,7 +69,8 @@ def build_objective(cfg: RunConfig, dm, source: Source | None = None):
               }.get(name, cfg.data.block_size)
     if mcfg.position == "learned" and length > mcfg.max_seq_len:
         raise RecipeError(f"data length {length} exceeds model.max_seq_len={mcfg.max_seq_len} (learned positions)")
-    common = dict(optim=cfg.optim, max_steps=cfg.trainer.max_steps)
+    common = dict(optim=cfg.optim, max_steps=cfg.trainer.max_steps, compile=cfg.trainer.compile,
+                  activation_checkpointing=cfg.trainer.activation_checkpointing)
     if name == "classify":
         if dm.num_labels is None or (cfg.data.task == "single_label" and dm.num_labels < 2):
             raise RunError(f"classification needs at least two labels; the training data has {dm.label_names}")

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from .checkpointing import AtomicCheckpointIO
 from .config import RecipeError, RunConfig, to_dict
+from .objectives.base import gathered_parameters
 
 WANDB_ID_FILE = "wandb_id.txt"
 CHECKPOINT_DIR = "checkpoints"
@@ -44,12 +45,6 @@ def build_strategy(cfg: RunConfig) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()
-    if cfg.objective.name == "mlm":
-        # FSDP2 gathers a unit's shards in that module's forward hook; MaskedLM calls the
-        # LanguageModel's transformer and LM head separately (the head runs on masked positions
-        # only), so the root unit holding the tied embedding would never be gathered.
-        raise RecipeError("trainer.strategy=fsdp does not support objective.name=mlm yet (the masked LM head runs "
-                          "outside the sharded model's forward); use trainer.strategy=ddp")
     return FSDP2Strategy()
 
 
@@ -377,9 +372,14 @@ class SampleGenerations(Callback):
         self.run_dir = run_dir
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero or trainer.state.fn != "fit":
+        if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        pairs = self.sample(pl_module)
+        if not trainer.is_global_zero and not is_sharded(pl_module):
+            return
+        with gathered_parameters(pl_module):  # FSDP2: every rank gathers, rank 0 generates
+            pairs = self.sample(pl_module) if trainer.is_global_zero else []
+        if not trainer.is_global_zero:
+            return
         step = trainer.global_step
         with (self.run_dir / SAMPLES_FILE).open("a") as file:
             file.write(json.dumps({"step": step, "samples": [{"prompt": p, "completion": c} for p, c in pairs]}) + "\n")

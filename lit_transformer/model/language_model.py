@@ -1,6 +1,7 @@
-"""LanguageModel: the shared core plus the LM head its config names. forward returns logits.
+"""LanguageModel: the shared core plus the LM head its config names. forward returns logits;
+`logits_at` returns them at selected positions only (BERT's masked positions).
 
-Shape legend: B batch, T length, C model width, V vocabulary.
+Shape legend: B batch, T length, C model width, V vocabulary, N selected positions.
 """
 
 from __future__ import annotations
@@ -67,3 +68,13 @@ class LanguageModel(nn.Module):
             decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
         )
         return self.lm_head(hidden)  # (B, T, V)
+
+    def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, selected: torch.Tensor, *,
+                  token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, V) at the N positions where `selected` (B, T) is true, in row-major order.
+        The head runs on those positions only: with BERT's 15% masking that skips ~85% of the
+        vocabulary projection. One method (not the caller composing transformer and head) so a
+        wrapper that hooks calls into this module (FSDP2's forward methods) sees one call."""
+        hidden = self.transformer(input_ids, attention_mask, token_type_ids=token_type_ids)  # (B, T, C)
+        # boolean indexing has a data-dependent size (one host sync); the head then sees (N, C)
+        return self.lm_head(hidden[selected])  # (N, V)

@@ -30,9 +30,10 @@ Shape legend: B batch, T length.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import lightning as L
 import torch
@@ -40,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.config import TransformerConfig
+from ..model.language_model import LanguageModel
 from ..model.transformer import Block
 from .metrics import bits_per_byte, peak_flops_for
 from .optim import OptimConfig, build_optimizer, make_scheduler, parameter_groups
@@ -55,6 +57,31 @@ def as_optim_config(value: OptimConfig | dict | None) -> OptimConfig:
     return value if isinstance(value, OptimConfig) else OptimConfig.from_dict(dict(value))
 
 
+def as_language_model(model: TransformerConfig | LanguageModel | dict) -> LanguageModel:
+    """A LanguageModel to train further, or a fresh one built and initialised from a config."""
+    return model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
+
+
+class ObjectiveOptions(TypedDict, total=False):
+    """Keyword options every objective takes, with OPTION_DEFAULTS.
+
+    peak_flops                the device's peak FLOP/s for train/mfu (None: looked up on GPUs)
+    skip_nonfinite            skip (and count) optimizer steps whose loss or gradients are not finite
+    activation_checkpointing  recompute each Block in backward instead of keeping its activations
+                              (memory for about one more forward pass)
+    compile                   torch.compile every Block (identical blocks share one graph)
+    """
+
+    peak_flops: float | None
+    skip_nonfinite: bool
+    activation_checkpointing: bool
+    compile: bool
+
+
+OPTION_DEFAULTS: dict[str, Any] = {"peak_flops": None, "skip_nonfinite": True, "activation_checkpointing": False,
+                                   "compile": False}
+
+
 def non_pad_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     if attention_mask is None:
         return torch.tensor(float(input_ids.numel()), device=input_ids.device)
@@ -66,23 +93,31 @@ class ObjectiveBase(L.LightningModule):
     `self.eval_metrics` (an nn.ModuleDict), and implement `training_step` (ending in
     `self.finish_training_step(...)`), `eval_update(batch, batch_idx)` and `eval_compute()`."""
 
-    def __init__(self, *, model_config: TransformerConfig, optim: OptimConfig, max_steps: int | None,
-                 bytes_per_token: float | None = None, peak_flops: float | None = None,
-                 skip_nonfinite: bool = True, activation_checkpointing: bool = False, compile: bool = False):
-        """`activation_checkpointing`: recompute each Block's activations in backward instead of
-        keeping them (memory for about one more forward pass). `compile`: torch.compile every
-        Block. Both are applied in `configure_model`, before FSDP2 sharding."""
+    def __init__(self, *, model_config: TransformerConfig, optim: OptimConfig | dict | None, max_steps: int | None,
+                 hparams: dict[str, Any] | None = None, bytes_per_token: float | None = None,
+                 **options: Unpack[ObjectiveOptions]):
+        """`hparams`: the subclass's own constructor arguments, saved (with optim, max_steps
+        and the options) so that `load_from_checkpoint` can rebuild the module. `options`: see
+        ObjectiveOptions; activation checkpointing and compile are applied in
+        `configure_model`, before FSDP2 sharding."""
         super().__init__()
         if bytes_per_token is not None and not bytes_per_token > 0:
             raise ValueError(f"bytes_per_token={bytes_per_token} must be positive")
+        unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+        if unknown:
+            raise TypeError(f"unknown objective option {unknown[0]!r}; the options are {sorted(OPTION_DEFAULTS)}")
+        options = {**OPTION_DEFAULTS, **options}
+        optim = as_optim_config(optim)
+        saved = {**(hparams or {}), "optim": optim.to_dict(), "max_steps": max_steps, **options}
+        self.save_hyperparameters(saved)
         self.model_config = model_config
         self.optim = optim
         self.max_steps = max_steps
         self.bytes_per_token = bytes_per_token
-        self.peak_flops = peak_flops
-        self.skip_nonfinite = skip_nonfinite
-        self.activation_checkpointing = activation_checkpointing
-        self.compile_blocks = compile  # not `self.compile`: that is nn.Module.compile
+        self.peak_flops = options["peak_flops"]
+        self.skip_nonfinite = options["skip_nonfinite"]
+        self.activation_checkpointing = options["activation_checkpointing"]
+        self.compile_blocks = options["compile"]  # not `self.compile`: that is nn.Module.compile
         self.skipped_steps = 0
         self.eval_metrics = nn.ModuleDict()
         self._flops_cache: dict[tuple[int, int | None], tuple[float, float]] = {}
@@ -250,9 +285,9 @@ class ObjectiveBase(L.LightningModule):
         if mesh is None:
             return
         try:
-            from torch.distributed.fsdp import FSDPModule, fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
         except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import FSDPModule, fully_shard
+            from torch.distributed._composable.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
         if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
             raise ValueError("tensor parallelism is not implemented: use ModelParallelStrategy(tensor_parallel_size=1)")
@@ -263,6 +298,9 @@ class ObjectiveBase(L.LightningModule):
         for child in self.children():
             if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
                 fully_shard(child, mesh=dp_mesh)
+            if isinstance(child, LanguageModel):
+                # MaskedLM calls logits_at, not forward: gather the root unit's shards there too
+                register_fsdp_forward_method(child, "logits_at")
         from ..training import materialize  # here: training imports the recipe schema, which imports objectives
 
         kind = dp_mesh.device_type
@@ -313,6 +351,44 @@ class ObjectiveBase(L.LightningModule):
         if self.device.type != "cuda":
             return None
         return peak_flops_for(torch.cuda.get_device_name(self.device), str(self.trainer.precision))
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module):
+    """Every FSDP2 unit inside `module` unsharded on this rank for the duration; nothing happens
+    without FSDP2. Every rank must enter (the gather is collective); inside, the model runs
+    without collectives. For work that calls parts of the model directly or a rank-dependent
+    number of times (generation, BLEU decoding), which FSDP2's gather-in-forward-hooks would
+    leave with sharded weights or deadlock on. Costs the full model's memory on every rank
+    while inside. Each unit's reshard-after-forward setting is restored on the way out (the
+    root unit's is automatically off: restoring it through the public setter would turn it on)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    saved = []
+    for unit in units:
+        state = unit._get_fsdp_state()
+        saved.append((state, state._auto_reshard_after_forward,
+                      [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for unit, (state, auto, infos) in zip(units, saved):
+            unit.reshard()
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info
+        for unit, (state, _, _) in zip(units, saved):
+            if state._is_root:
+                # Forward calls made inside (on rank 0 only, for sample generation) were recorded
+                # in the order FSDP2 prefetches from in the next backward; left there, the ranks
+                # would prefetch different units and deadlock.
+                unit.reset_iter_state()
 
 
 class CheckpointedBlock(Block):

@@ -6,11 +6,13 @@ Shape legend: B batch, T length, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
-from .base import ObjectiveBase, as_model_config, as_optim_config
+from .base import ObjectiveBase, ObjectiveOptions, as_language_model
 from .metrics import TokenAverage, token_cross_entropy
 from .optim import OptimConfig
 
@@ -18,16 +20,11 @@ from .optim import OptimConfig
 class CausalLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, bytes_per_token: float | None = None,
-                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+                 **options: Unpack[ObjectiveOptions]):
         """`model`: a config to build and initialise, or a LanguageModel to train further."""
-        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
-        optim = as_optim_config(optim)
+        lm = as_language_model(model)
         super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
-        self.save_hyperparameters({
-            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps,
-            "bytes_per_token": bytes_per_token, "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
-        })
+                         hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token}, **options)
         self.model = lm
         self.eval_metrics["loss"] = TokenAverage()
 

@@ -12,7 +12,7 @@ Shape legend: B batch, T length, C model width, N labels (outputs).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from ..model.config import TransformerConfig
 from ..model.heads import ClassificationHead
 from ..model.init import init_weights
 from ..model.transformer import Transformer
-from .base import ObjectiveBase, as_model_config, as_optim_config
+from .base import ObjectiveBase, ObjectiveOptions, as_model_config
 from .metrics import TokenAverage
 from .optim import OptimConfig
 
@@ -39,7 +39,7 @@ class SequenceClassifier(ObjectiveBase):
                  problem: Problem = "single_label", pooling: Pooling | None = None,
                  optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
                  hidden_layer: bool = True, classifier_dropout: float = 0.1, backbone_lr_ratio: float = 1.0,
-                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+                 **options: Unpack[ObjectiveOptions]):
         """`model_config`: a config for a freshly initialised backbone, or a Transformer whose
         weights to fine-tune (see `from_backbone`). `pooling` defaults by architecture:
         first ([CLS]) for encoders, last for decoders, mean for an encoder-decoder's encoder.
@@ -61,15 +61,10 @@ class SequenceClassifier(ObjectiveBase):
         pooling = pooling or DEFAULT_POOLING[cfg.arch]
         if pooling not in ("first", "mean", "last"):
             raise ValueError(f"pooling={pooling!r} is not one of ['first', 'mean', 'last']")
-        optim = as_optim_config(optim)
-        super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, peak_flops=peak_flops,
-                         skip_nonfinite=skip_nonfinite)
-        self.save_hyperparameters({
-            "model_config": cfg.to_dict(), "num_labels": num_labels, "problem": problem, "pooling": pooling,
-            "optim": optim.to_dict(), "max_steps": max_steps, "hidden_layer": hidden_layer,
-            "classifier_dropout": classifier_dropout, "backbone_lr_ratio": backbone_lr_ratio,
-            "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
-        })
+        hparams = {"model_config": cfg.to_dict(), "num_labels": num_labels, "problem": problem, "pooling": pooling,
+                   "hidden_layer": hidden_layer, "classifier_dropout": classifier_dropout,
+                   "backbone_lr_ratio": backbone_lr_ratio}
+        super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, hparams=hparams, **options)
         if cfg.arch == "encoder_decoder":
             backbone.decoder = None  # only the encoder is read: no dead parameters for DDP or AdamW
         self.backbone = backbone

@@ -9,11 +9,13 @@ Shape legend: B batch, T length, C model width, N masked positions in the batch,
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
-from .base import ObjectiveBase, as_model_config, as_optim_config
+from .base import ObjectiveBase, ObjectiveOptions, as_language_model
 from .metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
 from .optim import OptimConfig
 
@@ -21,16 +23,11 @@ from .optim import OptimConfig
 class MaskedLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, bytes_per_token: float | None = None,
-                 peak_flops: float | None = None, skip_nonfinite: bool = True):
+                 **options: Unpack[ObjectiveOptions]):
         """`model`: a config to build and initialise, or a LanguageModel to train further."""
-        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
-        optim = as_optim_config(optim)
+        lm = as_language_model(model)
         super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
-        self.save_hyperparameters({
-            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps,
-            "bytes_per_token": bytes_per_token, "peak_flops": peak_flops, "skip_nonfinite": skip_nonfinite,
-        })
+                         hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token}, **options)
         self.model = lm
         self.eval_metrics["loss"] = TokenAverage()
         self.eval_metrics["masked_accuracy"] = TokenAverage()
@@ -60,12 +57,11 @@ class MaskedLM(ObjectiveBase):
 
     def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (N, V), targets (N,)) at the positions whose label is not IGNORE_INDEX."""
-        hidden = self.model.transformer(batch["input_ids"], batch.get("attention_mask"),
-                                        token_type_ids=batch.get("token_type_ids"))  # (B, T, C)
         labels = batch["labels"]
         predicted = labels != IGNORE_INDEX  # (B, T)
-        # Boolean indexing has a data-dependent size (one host sync); the head then sees (N, C).
-        return self.model.lm_head(hidden[predicted]), labels[predicted]
+        logits = self.model.logits_at(batch["input_ids"], batch.get("attention_mask"), predicted,
+                                      token_type_ids=batch.get("token_type_ids"))  # (N, V)
+        return logits, labels[predicted]
 
     def _masked_terms(self, batch, label_smoothing: float):
         logits, targets = self.masked_logits(batch)  # (N, V), (N,)

@@ -11,13 +11,14 @@ Shape legend: B batch, S source length, T target length, G generated length, V v
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+import contextlib
+from typing import Any, Callable, Literal, Unpack
 
 import torch
 
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
-from .base import ObjectiveBase, as_model_config, as_optim_config
+from .base import ObjectiveBase, ObjectiveOptions, as_language_model, gathered_parameters
 from .metrics import CorpusBLEU, IGNORE_INDEX, TokenAverage, token_cross_entropy
 from .optim import OptimConfig
 
@@ -28,8 +29,7 @@ class Seq2SeqLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, task: Task = "seq2seq", bytes_per_token: float | None = None,
                  bleu: bool = False, detokenize: Callable[[list[int]], str] | None = None, bleu_max_batches: int = 4,
-                 generate_kwargs: dict[str, Any] | None = None, peak_flops: float | None = None,
-                 skip_nonfinite: bool = True):
+                 generate_kwargs: dict[str, Any] | None = None, **options: Unpack[ObjectiveOptions]):
         """`task` only documents the run (hparams); the loss is the same.
         `bleu`: decode the first `bleu_max_batches` validation batches with
         `generate(**generate_kwargs)` (max_new_tokens, num_beams, eos_token_id, pad_token_id,
@@ -43,18 +43,13 @@ class Seq2SeqLM(ObjectiveBase):
         if bleu and detokenize is None:
             raise ValueError("bleu=True needs detokenize: a function from token ids to text")
         _check_generate_kwargs(generate_kwargs or {})
-        lm = model if isinstance(model, LanguageModel) else LanguageModel.from_config(as_model_config(model))
+        lm = as_language_model(model)
         if lm.config.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqLM needs model.arch='encoder_decoder', not {lm.config.arch!r}")
-        optim = as_optim_config(optim)
+        hparams = {"model": lm.config.to_dict(), "task": task, "bytes_per_token": bytes_per_token, "bleu": bleu,
+                   "bleu_max_batches": bleu_max_batches, "generate_kwargs": dict(generate_kwargs or {})}
         super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         peak_flops=peak_flops, skip_nonfinite=skip_nonfinite)
-        self.save_hyperparameters({
-            "model": lm.config.to_dict(), "optim": optim.to_dict(), "max_steps": max_steps, "task": task,
-            "bytes_per_token": bytes_per_token, "bleu": bleu, "bleu_max_batches": bleu_max_batches,
-            "generate_kwargs": dict(generate_kwargs or {}), "peak_flops": peak_flops,
-            "skip_nonfinite": skip_nonfinite,
-        })
+                         hparams=hparams, **options)
         self.model = lm
         self.task = task
         self.bleu = bleu
@@ -81,6 +76,21 @@ class Seq2SeqLM(ObjectiveBase):
             loss_sum / n, nll_sum / n, batch, flop_tokens=source_tokens, head_positions=count,
             metrics={"token_accuracy": correct / n},
         )
+
+    def on_validation_epoch_start(self) -> None:
+        if self.bleu:
+            # ranks decode their own batches for different numbers of steps: under FSDP2 the
+            # whole model is gathered for the epoch instead of per block in each forward
+            self._gathered = contextlib.ExitStack()
+            self._gathered.enter_context(gathered_parameters(self))
+
+    def on_validation_epoch_end(self) -> None:
+        try:
+            super().on_validation_epoch_end()
+        finally:
+            if getattr(self, "_gathered", None) is not None:
+                self._gathered.close()
+                self._gathered = None
 
     def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         _, nll_sum, count, correct = self._terms(batch, 0.0)
