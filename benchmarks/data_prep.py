@@ -10,7 +10,9 @@ trains the tokenizer (timed separately), then measures into a fresh temporary ca
 `first_run_mb_per_cpu_s` divides by the CPU time the process used (all threads), a per-core
 rate that stays honest when other jobs share the machine; `first_run_mb_per_s_per_core`
 divides wall-clock throughput by the core count. Targets: >= 5 MB/s per core; reload >= 20x
-faster than the first run. Not part of the test suite.
+faster than the first run. `fast_path` says whether packing took fast_encode.py's word-cache
+shortcut (the trained byte-level BPE does). For a pure single-core figure run with
+RAYON_NUM_THREADS=1 (the Rust side then uses one thread). Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lit_transformer.data.config import DataConfig, TokenizerConfig  # noqa: E402
+from lit_transformer.data.fast_encode import WordEncoder  # noqa: E402
+from lit_transformer.data.pack import fast_copy  # noqa: E402
 from lit_transformer.data.prepare import build  # noqa: E402
 
 
@@ -80,6 +84,7 @@ def main() -> dict:
             cpu.append(_cpu_seconds() - c0)
         first_s = min(runs)
         meta = first.entries["train"].meta
+        fast_path = WordEncoder.create(fast_copy(first.tokenizer), first.special.separator_id) is not None
 
         # 3. reload: a cache hit, then read every token once
         reloads = []
@@ -95,7 +100,8 @@ def main() -> dict:
     result = {
         "corpus": files, "mb": round(mb, 3), "documents": meta["documents"], "tokens": meta["tokens"],
         "blocks": meta["blocks"], "block_size": args.block_size, "vocab_size": args.vocab_size, "cores": cores,
-        "tokenizer_train_s": round(train_s, 3),
+        "tokenizer_train_s": round(train_s, 3), "fast_path": fast_path,
+        "rayon_num_threads": os.environ.get("RAYON_NUM_THREADS", "all cores"),
         "first_run_s": round(first_s, 3), "first_run_all_s": [round(r, 3) for r in runs], "first_run_mb_per_s": round(mb / first_s, 2),
         "first_run_mb_per_s_per_core": round(mb / first_s / cores, 2),
         "first_run_cpu_s": round(min(cpu), 3), "first_run_mb_per_cpu_s": round(mb / min(cpu), 2),

@@ -39,6 +39,8 @@ ROUND_TRIP = [
     "emoji 😀👍🏽 family 👨‍👩‍👧", "CJK 中文字符 日本語テキスト 한국어", "combining e\u0301 a\u0308 n\u0303",
     "RTL עברית العربية", "zero width \u200b\u200d joiner", "\x00 nul and \x7f del", "math ∑∫√∞ ≠ ≤",
     "text with </s> and <mask> and <extra_id_0> written out", "\n\n\nnewlines only\n", "\ufeffbom",
+    "nbsp\u00a0ideographic\u3000space 。、「引用」 “quotes” — dash", "\x1c\x1d\x1e\x1f \x85\u2028\u2029 separators",
+    "C1 \x80\x9f and \U0010ffff \U000e0001 planes", "  \t \r\n   runs   of\t\twhitespace  ", "it's 'LL ’s",
 ]
 
 

@@ -25,8 +25,8 @@ from lit_transformer.data.corpus import SplitSource, build_sources, fingerprint_
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
 from lit_transformer.data.span import span_lengths
-from lit_transformer.data.tokenizer import (SpecialTokens, check_tokenizer, load_tokenizer, save_tokenizer,
-                                            tokenizer_hash, train_tokenizer)
+from lit_transformer.data.tokenizer import (BYTE_LEVEL_PATTERN, SpecialTokens, check_tokenizer, load_tokenizer,
+                                            save_tokenizer, tokenizer_hash, train_tokenizer)
 
 STREAMING_TOKENIZER_BYTES = 256 << 20  # streaming corpora: train the tokenizer on the first 256 MB
 
@@ -66,7 +66,9 @@ def resolve_tokenizer(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: d
     if tok_cfg.path:
         return load_tokenizer(tok_cfg.path), str(tok_cfg.path)
     train = sources["train"]
-    key = cache_key("tokenizer", train.fingerprint(), fingerprint_config(data_cfg), dataclasses.asdict(tok_cfg))
+    # the pattern is part of what training builds: a tokenizer trained with an earlier one is not reused
+    key = cache_key("tokenizer", train.fingerprint(), fingerprint_config(data_cfg), dataclasses.asdict(tok_cfg),
+                    BYTE_LEVEL_PATTERN if tok_cfg.kind == "bpe" else None)
     path = cache_root(data_cfg.cache_dir) / "tokenizers" / f"{key}.json"
     if path.is_file():
         return load_tokenizer(path), "cached"

@@ -2,8 +2,10 @@
 
 Three kinds are trained (`tokenizer.kind`), each with every special token any objective needs:
 
-- bpe: GPT-2 byte-level BPE. No normaliser, `add_prefix_space=False`, the full 256-byte
-  alphabet and a ByteLevel decoder, so `decode(encode(x)) == x` for any Unicode string.
+- bpe: GPT-2 byte-level BPE. No normaliser, the full 256-byte alphabet and a ByteLevel
+  decoder, so `decode(encode(x)) == x` for any Unicode string. Words are split by
+  `BYTE_LEVEL_PATTERN` (GPT-2's pattern rewritten with explicit classes, see there) before the
+  byte mapping, so that pack.py can split with Python's `re` and get the very same words.
 - wordpiece: BERT. BertNormalizer + BertPreTokenizer, `##` continuations, `[CLS] a [SEP] b [SEP]`.
 - unigram: T5 / SentencePiece style. NFKC, Metaspace `▁`, post-processor `a </s> b </s>`.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from lit_transformer.data.config import TokenizerConfig, check_objective
 from lit_transformer.data.errors import DataError
@@ -50,6 +52,45 @@ ROLE_SPELLINGS = {
     "mask": ("[MASK]", "<mask>", "<|mask|>", "<MASK>"),
 }
 TRAIN_BATCH = 1000
+
+# Word splitting of the trained byte-level BPE: GPT-2's pattern (Radford et al. 2019, encoder.py)
+#     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+# with the same alternatives in the same order (a space joins the word after it; a run of
+# whitespace before a word leaves its last space to that word, `\s+(?!\S)`), but written only
+# with explicit classes that Python's `re` and the Oniguruma engine inside `tokenizers` read
+# identically, so that fast_encode.py can split with `re` and reuse each word's ids. \s, \w and
+# \p{..} are avoided because the engines disagree on them (Python's \s includes \x1c-\x1f, which
+# are not Unicode White_Space; `re` has no \p{..}). Code points are written \xHH below U+0080
+# and \uHHHH above: Oniguruma reads \x80-\xff as raw UTF-8 bytes ("invalid code point value")
+# and rejects \U, so no class names a code point above U+FFFF.
+# The classes partition all code points:
+# - space: ASCII whitespace plus the Unicode White_Space characters above ASCII, i.e. what
+#   Oniguruma's \s (GPT-2's pattern in `tokenizers`) matches: NBSP, U+2000-U+200A, U+2028/9, U+3000...
+_SPACE = r"\t\n\x0b\x0c\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# - other (punctuation, symbols, controls; GPT-2's [^\s\p{L}\p{N}]): all of it in ASCII, and the
+#   blocks where non-ASCII text keeps its common punctuation, so that quotes, dashes and CJK full
+#   stops do not glue onto words. Each range holds no letter, mark or space (checked in
+#   tests/test_data_fast_encode.py). Rarer symbols (arrows, math, emoji) count as letters: a
+#   difference from GPT-2 that only changes where such words split, never the round trip.
+_OTHER = (r"\x00-\x08\x0e-\x1f\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f"  # ASCII controls and punctuation
+          r"\u0080-\u0084\u0086-\u009f"  # C1 controls (U+0085 is a space)
+          r"\u00a1-\u00a9\u00ab-\u00b4\u00b6-\u00b9\u00bb-\u00bf\u00d7\u00f7"  # Latin-1: « » ° £ ² ½, not ª µ º
+          r"\u2010-\u2027\u2030-\u205e"  # General Punctuation: dashes, quotes, bullets, ellipsis, primes
+          r"\u3001-\u3004\u3008-\u3020"  # CJK punctuation: 、。 and the brackets 「」『』【】
+          r"\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65")  # fullwidth ASCII punctuation, ｡｢｣､･
+# - digits: 0-9 only (GPT-2's \p{N} also takes other scripts' digits; here they are letters
+#   unless listed in other). - letters: everything else, every script's letters, combining
+#   marks included (GPT-2's \p{L} splits a combining accent off its letter).
+BYTE_LEVEL_PATTERN = (rf"'(?:s|t|re|ve|m|ll|d)| ?[^{_SPACE}{_OTHER}0-9]+| ?[0-9]+| ?[{_OTHER}]+"
+                      rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+")
+
+
+def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """`BYTE_LEVEL_PATTERN` words, then GPT-2's byte-to-unicode mapping (without its own regex)."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
 
 
 def sentinel(i: int) -> str:
@@ -109,7 +150,7 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
         )
     if cfg.kind == "bpe":
         tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = byte_level_pre_tokenizer()
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                                       special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
