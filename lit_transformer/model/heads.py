@@ -32,11 +32,15 @@ class LMHead(nn.Module):
             self.decoder.weight = tied_to.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, V)
+        return self.decoder(self.features(hidden))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        """What the final vocabulary projection `decoder` reads (after BERT's transform, T5's scale)."""
         if self.dense is not None:
             hidden = self.norm(self.act(self.dense(hidden)))
         if self.input_scale != 1.0:
             hidden = hidden * self.input_scale
-        return self.decoder(hidden)
+        return hidden
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, how: str) -> torch.Tensor:

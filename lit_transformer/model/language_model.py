@@ -69,6 +69,13 @@ class LanguageModel(nn.Module):
         )
         return self.lm_head(hidden)  # (B, T, V)
 
+    def head_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      **kwargs) -> torch.Tensor:
+        """What the LM head's final projection `lm_head.decoder` reads, (B, T, C): forward
+        without that last matrix product, for a loss that fuses it with the cross-entropy
+        (forward's keyword arguments pass through)."""
+        return self.lm_head.features(self.transformer(input_ids, attention_mask, **kwargs))
+
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, selected: torch.Tensor, *,
                   token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, V) at the N positions where `selected` (B, T) is true, in row-major order.

@@ -138,6 +138,16 @@ class ObjectiveBase(L.LightningModule):
         torch.distributed.all_reduce(total)
         return (total / world).clamp(min=1).to(count.device)
 
+    def fuse_head_and_loss(self) -> bool:
+        """Whether the LM head's last projection and the loss run fused (fused_loss.py): in
+        training, when that weight is a plain tensor. Under FSDP2 it is a shard outside the
+        model's forward, and without gradients the plain path is cheaper."""
+        if not torch.is_grad_enabled():
+            return False
+        from torch.distributed.tensor import DTensor
+
+        return not isinstance(self.model.lm_head.decoder.weight, DTensor)
+
     def finish_training_step(self, loss: torch.Tensor, nll_mean: torch.Tensor | None,
                              batch: dict[str, torch.Tensor], *, flop_tokens: torch.Tensor | float,
                              head_positions: torch.Tensor | float,

@@ -13,6 +13,7 @@ import torch
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
 from .base import ObjectiveBase, ObjectiveOptions, as_language_model
+from .fused_loss import linear_cross_entropy
 from .metrics import TokenAverage, token_cross_entropy
 from .optim import OptimConfig
 
@@ -56,11 +57,17 @@ class CausalLM(ObjectiveBase):
         return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
 
     def _terms(self, batch, label_smoothing: float):
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
         labels = batch["labels"]
         if labels.shape != batch["input_ids"].shape:
             raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
                              "(the collator shifts them)")
+        if self.fuse_head_and_loss():
+            features = self.model.head_features(batch["input_ids"], batch.get("attention_mask"))  # (B, T, C)
+            decoder = self.model.lm_head.decoder
+            loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
+                                                               labels.reshape(-1), label_smoothing)
+            return loss_sum, nll_sum, count
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
         V = logits.shape[-1]
         return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
 

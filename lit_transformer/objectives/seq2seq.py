@@ -19,6 +19,7 @@ import torch
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
 from .base import ObjectiveBase, ObjectiveOptions, as_language_model, gathered_parameters
+from .fused_loss import linear_cross_entropy
 from .metrics import CorpusBLEU, IGNORE_INDEX, TokenAverage, token_cross_entropy
 from .optim import OptimConfig
 
@@ -123,9 +124,16 @@ class Seq2SeqLM(ObjectiveBase):
         return hypotheses, references
 
     def _terms(self, batch, label_smoothing: float):
+        labels = batch["labels"]  # (B, T)
+        if self.fuse_head_and_loss():
+            features = self.model.head_features(
+                batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
+                decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, C)
+            decoder = self.model.lm_head.decoder
+            return linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1),
+                                        label_smoothing)
         logits = self(batch["input_ids"], batch.get("attention_mask"), batch["decoder_input_ids"],
                       batch.get("decoder_attention_mask"))  # (B, T, V)
-        labels = batch["labels"]  # (B, T)
         V = logits.shape[-1]
         flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
         loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing)
