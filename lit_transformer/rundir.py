@@ -274,8 +274,7 @@ def load_backbone(source: Source) -> LanguageModel | Any:
 
 def load_classifier(source: Source):
     """A classification run's final model (backbone + head) or checkpoint, as a SequenceClassifier."""
-    from safetensors.torch import load_file
-
+    from .model.interop import InteropError, read_safetensors
     from .objectives import SequenceClassifier
 
     if source.kind == "checkpoint":
@@ -289,7 +288,10 @@ def load_classifier(source: Source):
         lm.transformer, head["num_labels"], head["problem"], pooling=head["pooling"],
         hidden_layer=head["hidden_layer"], classifier_dropout=head["classifier_dropout"],
     )
-    module.head.load_state_dict(load_file(str(source.path / CLASSIFIER_WEIGHTS)))
+    try:
+        module.head.load_state_dict(read_safetensors(source.path / CLASSIFIER_WEIGHTS))
+    except InteropError as error:
+        raise RunError(str(error)) from None
     return module.eval()
 
 

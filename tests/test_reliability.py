@@ -260,6 +260,23 @@ def test_damaged_checkpoints_are_one_line_errors_naming_the_file(damage, tiny_ru
     assert snapshot(tmp_path / "copy") == before
 
 
+@pytest.mark.parametrize("damage", ["truncated", "not safetensors"])
+def test_a_damaged_final_model_is_a_one_line_error_naming_the_file(damage, tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "config.json", "tokenizer.json", "model.safetensors"):
+        (run / name).write_bytes((tiny_run / name).read_bytes())
+    weights = run / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"hello world, not tensors")
+    for argv in (["evaluate", str(run)], ["generate", str(run), "--prompt", "def"],
+                 ["export", str(run), str(tmp_path / "out")]):
+        assert main(argv) == 2, argv
+        line = one_error_line(capsys)
+        assert f"{weights}: not a readable safetensors file" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_resuming_a_checkpoint_of_another_architecture_names_the_fields(tiny_run, tmp_path, capsys):
     ckpt = tiny_run / "checkpoints" / "last.ckpt"
     assert main(pretrain(tmp_path / "r", "model.d_model=32", "model.n_layers=2", f"resume={ckpt}")) == 2

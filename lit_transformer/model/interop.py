@@ -83,7 +83,7 @@ def _load_native(path: Path, raw: dict[str, Any]) -> LanguageModel:
     if not weights.is_file():
         raise InteropError(f"{weights}: missing; a lit-transformer model directory needs model.safetensors")
     model = LanguageModel(cfg)
-    _fill(model, load_file(weights), str(weights))
+    _fill(model, read_safetensors(weights), str(weights))
     return model
 
 
@@ -104,6 +104,15 @@ def _family(raw: dict[str, Any], config_file: Path) -> Family:
     return family
 
 
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """load_file, with a truncated or corrupted file as one InteropError naming it."""
+    try:
+        return load_file(file)
+    except Exception as error:  # safetensors raises its own SafetensorError (or OSError) with a long text
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise InteropError(f"{file}: not a readable safetensors file ({first})") from None
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     found = next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
     if found is None:
@@ -116,7 +125,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         if not file.is_file():
             raise InteropError(f"{file}: missing (a shard listed in {found})")
         if file.suffix == ".safetensors":
-            tensors.update(load_file(file))
+            tensors.update(read_safetensors(file))
             continue
         try:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
