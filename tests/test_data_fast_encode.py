@@ -23,14 +23,7 @@ SEP = 7  # any id: the separator is a virtual word of the encoder
 
 
 def _texts(n_bytes):
-    out, size = [], 0
-    for _, path in stdlib.corpus_split("train"):
-        text = path.read_text("utf-8", "replace")
-        out.append(text)
-        size += len(text)
-        if size > n_bytes:
-            break
-    return out
+    return stdlib.corpus_texts("train", n_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,7 @@ from lit_transformer.data.tokenizer import (SpecialTokens, check_tokenizer, load
 
 
 def _texts(n_bytes=300_000):
-    out, size = [], 0
-    for _, path in stdlib.corpus_split("train"):
-        text = path.read_text("utf-8", "replace")
-        out.append(text)
-        size += len(text)
-        if size > n_bytes:
-            break
-    return out + ["naïve café 😀 中文 テキスト\r\n\tdone"] * 3
+    return stdlib.corpus_texts("train", n_bytes) + ["naïve café 😀 中文 テキスト\r\n\tdone"] * 3
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,18 @@ def corpus_split(split: str, val_fraction: float = 0.02) -> list[tuple[str, Path
     return files[:n_val] if split == "validation" else files[n_val:]
 
 
+def corpus_texts(split: str, max_chars: int) -> list[str]:
+    """The split's files as text, in order, until just past `max_chars` characters."""
+    out, size = [], 0
+    for _, path in corpus_split(split):
+        text = path.read_text("utf-8", "replace")
+        out.append(text)
+        size += len(text)
+        if size > max_chars:
+            break
+    return out
+
+
 def corpus_fingerprint(val_fraction: float) -> str:
     """Content hash of the corpus: another Python version gives another cache key."""
     digest = hashlib.sha256(f"stdlib-corpus-v1 {val_fraction}".encode())
