@@ -65,7 +65,7 @@ class CausalLM(ObjectiveBase):
             features = self.model.head_features(batch["input_ids"], batch.get("attention_mask"))  # (B, T, C)
             decoder = self.model.lm_head.decoder
             loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
-                                                               labels.reshape(-1), label_smoothing)
+                                                               labels.reshape(-1), label_smoothing, count_correct=False)
             return loss_sum, nll_sum, count
         logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
         V = logits.shape[-1]

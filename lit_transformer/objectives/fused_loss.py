@@ -30,7 +30,8 @@ CHUNK_ROWS = 2048  # (R, V) float32 logits: 400 MB at V = 50,257; a few chunks k
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, bias, labels, label_smoothing: float, chunk_rows: int, compute_dtype):
+    def forward(ctx, features, weight, bias, labels, label_smoothing: float, chunk_rows: int, compute_dtype,
+                count_correct: bool):
         x = features.to(compute_dtype)  # (N, C)
         w = weight.to(compute_dtype)  # (V, C)
         b = bias.to(compute_dtype) if bias is not None else None
@@ -45,28 +46,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         nll = torch.zeros((), dtype=torch.float32, device=x.device)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         eps = label_smoothing
+        # Each (R, V) pass over the logits costs about as much as the loss itself, so the chunk
+        # makes as few as it can: the log-softmax, a gather, (with smoothing) a mean, the exp
+        # and mask into the gradient (no host sync to skip the mask), one scatter.
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
-            # (R, V) in the compute dtype, by the kernel the plain head's nn.Linear uses
-            logits = torch.nn.functional.linear(x[rows], w, b).float()  # a bf16 log-softmax over a large vocabulary loses the small probabilities
-            lse = logits.logsumexp(-1)  # (R,)
-            target_logit = logits.gather(-1, targets[rows, None]).squeeze(-1)  # (R,)
-            mask = keep[rows].float()  # (R,)
-            chunk_nll = (lse - target_logit) * mask
-            nll += chunk_nll.sum()
-            loss += (1 - eps) * chunk_nll.sum()
+            mask = keep[rows, None].float()  # (R, 1)
+            # logits by the kernel the plain head's nn.Linear uses (in the compute dtype), then
+            # float32: a bf16 log-softmax over a large vocabulary loses the small probabilities
+            logits = torch.nn.functional.linear(x[rows], w, b).float()  # (R, V)
+            if count_correct:
+                correct += ((logits.argmax(-1) == labels[rows]) & keep[rows]).sum()
+            log_probs = logits.log_softmax(-1)  # (R, V)
+            del logits
+            chunk_nll = -(log_probs.gather(-1, targets[rows, None]) * mask).sum()
+            nll += chunk_nll
+            loss += (1 - eps) * chunk_nll
             if eps:
-                loss += eps * ((lse - logits.mean(-1)) * mask).sum()  # mean over V of -log p
-            correct += ((logits.argmax(-1) == labels[rows]) & keep[rows]).sum()
+                loss -= eps * (log_probs.mean(-1, keepdim=True) * mask).sum()  # mean over V of -log p
             if grad_x is None and grad_w is None and grad_b is None:
                 continue
-            # d loss / d logits = p - (1 - eps) onehot - eps / V, zero on ignored rows; in place
-            # on the chunk's logits, which are not needed any more
-            grad = logits.sub_(lse[:, None]).exp_()  # (R, V): softmax
-            grad.scatter_add_(-1, targets[rows, None], torch.full_like(target_logit[:, None], -(1 - eps)))
+            # d loss / d logits = p - (1 - eps) onehot - eps / V, zero on ignored rows
+            grad = log_probs.exp_().mul_(mask)  # (R, V): the softmax, zero on ignored rows
+            grad.scatter_add_(-1, targets[rows, None], -(1 - eps) * mask)
             if eps:
-                grad.sub_(eps / V)
-            grad.mul_(mask[:, None])
+                grad.sub_(eps / V * mask)
             if grad_b is not None:
                 grad_b += grad.sum(0)
             grad = grad.to(compute_dtype)
@@ -88,19 +92,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_x = (grad_x * scale.to(grad_x.dtype)).to(x_dtype) if grad_x is not None else None
         out_w = (grad_w * scale).to(w_dtype) if grad_w is not None else None
         out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
-        return out_x, out_w, out_b, None, None, None, None
+        return out_x, out_w, out_b, None, None, None, None, None
 
 
 def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         labels: torch.Tensor, label_smoothing: float = 0.0, *, chunk_rows: int = CHUNK_ROWS
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         labels: torch.Tensor, label_smoothing: float = 0.0, *, chunk_rows: int = CHUNK_ROWS,
+                         count_correct: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """features (N, C), weight (V, C), bias (V,) or None, labels (N,) with IGNORE_INDEX skipped
     -> (loss_sum, nll_sum, count, correct), the same values as `token_cross_entropy` on
-    `features @ weight.T + bias` (plus the argmax hits). The logits are computed in the autocast
+    `features @ weight.T + bias`, plus the argmax hits (0 without `count_correct`: an extra
+    pass over the logits). The logits are computed in the autocast
     dtype when autocast is on (as nn.Linear would), else in the features' dtype."""
     device = features.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
     with torch.autocast(device, enabled=False):
         loss, nll, correct = _LinearCrossEntropy.apply(features, weight, bias, labels, label_smoothing, chunk_rows,
-                                                       dtype)
+                                                       dtype, count_correct)
     return loss, nll, (labels != IGNORE_INDEX).sum(), correct
