@@ -67,7 +67,10 @@ class DataConfig:
     eval_batch_size: Optional[int] = None  # None: batch_size
     shuffle: bool = True
     num_workers: int = 0
-    num_proc: Optional[int] = None  # processes datasets uses to read jsonl/csv/parquet
+    # Processes that datasets uses to read jsonl/csv/parquet, and that tokenize-and-pack LM splits
+    # (pack.py). None: datasets' default; packing is automatic: one process for the first 16 MB of
+    # text, then min(available cores, 8). 1: one process. Never part of a cache key (same output).
+    num_proc: Optional[int] = None
     cache_dir: Optional[str] = None  # None: $LIT_TRANSFORMER_CACHE or ~/.cache/lit_transformer
 
     def __post_init__(self):

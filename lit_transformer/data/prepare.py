@@ -132,8 +132,10 @@ def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfi
     with CacheWriter(root, key) as writer:
         if kind == "lm":
             block_len, stride = block_params(objective, cfg)
+            # cfg.num_proc only changes how fast: it is not in the cache key (fingerprint_config)
             return pack.write_lm(source.iterate(stats), tokenizer, special, writer, stats, block_len=block_len,
-                                 stride=stride, describe=f"{source.split} split of {source.describe}")
+                                 stride=stride, describe=f"{source.split} split of {source.describe}",
+                                 num_proc=cfg.num_proc)
         items = list(source.iterate(stats))
         if not items:
             raise DataError(f"{source.split} split of {source.describe}: no examples "
