@@ -89,7 +89,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w, grad_b = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         scale = grad_loss
-        out_x = (grad_x * scale.to(grad_x.dtype)).to(x_dtype) if grad_x is not None else None
+        # scaled in float32: a loss scale of 2**16 (fp16 AMP's first) is not representable in float16
+        out_x = (grad_x.float() * scale).to(x_dtype) if grad_x is not None else None
         out_w = (grad_w * scale).to(w_dtype) if grad_w is not None else None
         out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
         return out_x, out_w, out_b, None, None, None, None, None
