@@ -10,7 +10,7 @@ from lit_transformer.data import stdlib
 from lit_transformer.data.config import TokenizerConfig
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.tokenizer import (SpecialTokens, check_tokenizer, load_tokenizer, save_tokenizer,
-                                            tokenizer_hash, train_tokenizer)
+                                            train_tokenizer)
 
 
 def _texts(n_bytes=300_000):
@@ -67,7 +67,7 @@ def test_each_kind_has_every_special_token(tmp_path, kind):
     assert tok.get_vocab_size() <= 900
     path = save_tokenizer(tok, tmp_path / "tokenizer.json")
     again = load_tokenizer(path)
-    assert tokenizer_hash(again) == tokenizer_hash(load_tokenizer(path))
+    assert again.to_str() == load_tokenizer(path).to_str()  # loading is deterministic
     assert again.encode("def f(x): return x").ids == tok.encode("def f(x): return x").ids
     for objective in ("mlm", "clm", "span", "seq2seq", "classify"):
         check_tokenizer(again, objective, 900, block_size=64)

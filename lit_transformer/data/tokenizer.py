@@ -19,7 +19,6 @@ packing must see whole documents) and `encode_special_tokens` on: text that happ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -241,10 +240,6 @@ def save_tokenizer(tok: Tokenizer, path) -> Path:
         f.write(tok.to_str(pretty=True))
     os.replace(tmp, path)
     return path
-
-
-def tokenizer_hash(tok: Tokenizer) -> str:
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
 def tokenizer_kind(tok: Tokenizer) -> dict:
