@@ -1,15 +1,31 @@
-"""lit-transformer: pretrain and fine-tune Transformers with PyTorch Lightning."""
+"""lit-transformer: pretrain and fine-tune Transformers with PyTorch Lightning.
 
-from .model import (
-    PRESETS, ClassificationHead, ConfigError, KVCache, LanguageModel, Transformer, TransformerConfig,
-    init_weights, preset,
-)
-from .config import RecipeError, RunConfig, load_recipe
-from .model.generate import GenerationConfig, generate
-from .model.interop import InteropError, export_hf, load_pretrained, save_pretrained
+The public names are imported on first use (PEP 562): `import lit_transformer` (and so the
+`lit-transformer` command) loads neither torch nor Lightning until a name needs them.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = [
-    "PRESETS", "ClassificationHead", "RecipeError", "RunConfig", "load_recipe", "ConfigError", "GenerationConfig", "InteropError", "KVCache", "LanguageModel", "Transformer",
-    "TransformerConfig", "export_hf", "generate", "init_weights", "load_pretrained", "preset", "save_pretrained",
-]
+
+_EXPORTS = {
+    "PRESETS": "model.config", "ConfigError": "model.config", "TransformerConfig": "model.config",
+    "preset": "model.config", "ClassificationHead": "model.heads", "KVCache": "model.attention",
+    "LanguageModel": "model.language_model", "Transformer": "model.transformer", "init_weights": "model.init",
+    "GenerationConfig": "model.generate", "generate": "model.generate", "InteropError": "model.interop_maps",
+    "export_hf": "model.interop", "load_pretrained": "model.interop", "save_pretrained": "model.interop",
+    "RecipeError": "errors", "RunError": "errors", "RunConfig": "config", "load_recipe": "config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

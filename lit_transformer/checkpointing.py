@@ -8,6 +8,9 @@ system, so a `kill -9`, a power cut or a full disk at any moment leaves either t
 complete file or the new complete file under the final name, never a partial one. On an
 error the temporary file is removed and the previous checkpoint is untouched.
 
+Distributed (FSDP2) checkpoints are directories: one shard file per rank (torch.distributed
+.checkpoint) and meta.pt, which rank 0 writes last with everything but the tensors.
+
 Reading (`read_checkpoint`): `torch.load(weights_only=True)`, whose unpickler accepts tensors
 and plain containers only, so a pickle carrying code (a `__reduce__` that calls os.system) is
 refused before anything runs. Lightning checkpoints of our objectives hold nothing else: the
@@ -27,16 +30,16 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from .errors import RunError
+
 TEMP_SUFFIX = ".tmp"
+# Fixed keys every objective writes into its checkpoints (ObjectiveBase.on_save_checkpoint), so
+# that loading never guesses: the registered objective name and the model config's dict.
+OBJECTIVE_KEY = "objective"
+MODEL_CONFIG_KEY = "model_config"
 # Test hook: "NAME@STEP:SECONDS" sleeps between writing the temporary file of checkpoint NAME at
 # global step STEP and renaming it, so a test can kill the process inside that window.
 PAUSE_ENV = "LIT_TRANSFORMER_TEST_CHECKPOINT_PAUSE"
-
-
-def _run_error(message: str) -> Exception:
-    from .rundir import RunError  # rundir imports training, which imports this module
-
-    return RunError(message)
 
 
 def _first_line(error: BaseException) -> str:
@@ -110,7 +113,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             atomic_save(checkpoint, path)
         except OSError as error:
-            raise _run_error(f"{path}: could not write the checkpoint ({_first_line(error)}); nothing was "
+            raise RunError(f"{path}: could not write the checkpoint ({_first_line(error)}); nothing was "
                              f"replaced, the previous checkpoint is intact") from error
 
     def load_checkpoint(self, path, map_location: Optional[Callable] = None,
@@ -122,28 +125,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 # ----------------------------------------------------------------------------- reading
 
 
+SHARDED_META = "meta.pt"  # what ModelParallelStrategy writes beside the shards (rank 0, last)
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A distributed (FSDP2) checkpoint: a directory of per-rank shard files plus meta.pt."""
+    return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
+
+
+def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """A distributed checkpoint as one ordinary Lightning checkpoint dict (meta.pt's contents
+    plus a whole `state_dict`), in this process without a process group: every weight is
+    read in full from the shards (torch.distributed.checkpoint.load, no_dist=True) into a
+    tensor allocated from the checkpoint's metadata. Optimizer states are not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}
+    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for key, meta in entries.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    dcp.load({"state_dict": weights}, checkpoint_id=str(path), no_dist=True)
+    checkpoint["state_dict"] = weights
+    return checkpoint
+
+
+
+
 def read_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint as a dict, loaded with weights_only=True; a RunError naming the
     file when it is missing, truncated, corrupted, not a checkpoint, or holds pickled code."""
     path = Path(path)
-    from .training import is_sharded_checkpoint, read_sharded_checkpoint
-
     if is_sharded_checkpoint(path):  # FSDP2: a directory of shards, consolidated here
         return read_sharded_checkpoint(path)
     if not path.is_file():
-        raise _run_error(f"{path}: no such checkpoint file")
+        raise RunError(f"{path}: no such checkpoint file")
     try:
         checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         blocked = unsafe_global(error)
         if blocked:
-            raise _run_error(f"{path}: refused: it pickles {blocked}, not only tensors and plain data; "
+            raise RunError(f"{path}: refused: it pickles {blocked}, not only tensors and plain data; "
                              f"checkpoints load with weights_only=True, so it did not run") from None
-        raise _run_error(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+        raise RunError(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
     except Exception as error:  # zip errors, EOF, invalid load keys: a truncated or corrupted file
-        raise _run_error(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+        raise RunError(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise _run_error(f"{path}: not a Lightning checkpoint (no state_dict)")
+        raise RunError(f"{path}: not a Lightning checkpoint (no state_dict)")
     return checkpoint
 
 
@@ -196,8 +227,7 @@ def remove_temp_files(folder: str | os.PathLike) -> list[Path]:
 def check_architecture(checkpoint: dict[str, Any], model_config: dict[str, Any], path: str | os.PathLike) -> None:
     """A RunError naming every model config field where the checkpoint differs from the model
     about to load it (fields that change no weight shape, such as dropout, do not count)."""
-    hp = checkpoint.get("hyper_parameters") or {}
-    saved = hp.get("model", hp.get("model_config"))  # language models / classifiers
+    saved = checkpoint.get(MODEL_CONFIG_KEY)
     if not isinstance(saved, dict):
         return  # not one of our objectives' checkpoints: load_state_dict will judge
     harmless = {"dropout", "attention_dropout", "init_std", "attention_impl"}
@@ -205,4 +235,13 @@ def check_architecture(checkpoint: dict[str, Any], model_config: dict[str, Any],
             for k in sorted(set(saved) | set(model_config))
             if k not in harmless and saved.get(k) != model_config.get(k)]
     if diff:
-        raise _run_error(f"{path}: a checkpoint of another architecture: {'; '.join(diff)}")
+        raise RunError(f"{path}: a checkpoint of another architecture: {'; '.join(diff)}")
+
+
+def checkpoint_objective(checkpoint: dict[str, Any], path: str | os.PathLike) -> tuple[str, dict[str, Any]]:
+    """(objective name, hyperparameters) under the fixed keys; a RunError when they are absent."""
+    name, hp = checkpoint.get(OBJECTIVE_KEY), checkpoint.get("hyper_parameters")
+    if not isinstance(name, str) or not isinstance(hp, dict):
+        raise RunError(f"{path}: not a Lightning checkpoint of a lit-transformer objective "
+                       f"(no {OBJECTIVE_KEY!r} and hyper_parameters)")
+    return name, hp

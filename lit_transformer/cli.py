@@ -1,6 +1,7 @@
 """`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, export.
 
-Each subcommand parses its arguments and calls one function in `runner`. A user error (a bad
+Each subcommand parses its arguments and calls one function: `runner` trains, `inference`
+evaluates, generates and exports, `info` counts. A user error (a bad
 recipe, missing data, a missing run directory, a bad checkpoint) prints one line,
 `error: ...`, and exits with status 2; `--debug` shows the traceback instead.
 """
@@ -82,22 +83,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import runner
-    from .config import load_recipe, to_yaml
-
+    """Each command imports what it needs when it runs: `--help` and `info` import neither
+    torch's heavy parts nor Lightning."""
     if args.command in ("pretrain", "finetune", "prepare"):
+        from .config import load_recipe, to_yaml
+
         cfg = load_recipe(args.recipe, args.overrides)
         if args.print_config:
             print(to_yaml(cfg), end="")
             return 0
+        from . import runner
+
         if args.command == "prepare":
             runner.prepare(cfg)
             return 0
         metrics = runner.finetune(cfg) if args.command == "finetune" else runner.train(cfg)
         print(json.dumps({"run_dir": cfg.run.dir, **metrics}))
         return 0
+    if args.command == "info":
+        from .info import format_info, info
+
+        out = info(args.target, args.overrides)
+        print(json.dumps(out) if args.json else format_info(out))
+        return 0
+    from . import inference
+
     if args.command == "evaluate":
-        metrics = runner.evaluate(args.target, args.data, max_batches=args.max_batches)
+        metrics = inference.evaluate(args.target, args.data, max_batches=args.max_batches)
         if args.json:
             print(json.dumps(metrics))
         else:
@@ -105,27 +117,20 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{key:<16} {value:.4f}" if isinstance(value, float) else f"{key:<16} {value}")
         return 0
     if args.command == "generate":
-        print(runner.generate(
+        print(inference.generate(
             args.target, args.prompt, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, num_beams=args.num_beams,
             seed=args.seed,
         ))
         return 0
-    if args.command == "info":
-        from .info import format_info
-
-        out = runner.info(args.target, args.overrides)
-        print(json.dumps(out) if args.json else format_info(out))
-        return 0
-    print(runner.export(args.target, args.out, args.format))
+    print(inference.export(args.target, args.out, args.format))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .config import RecipeError
     from .data.errors import DataError
+    from .errors import RecipeError, RunError
     from .model.config import ConfigError
-    from .rundir import RunError
 
     args = build_parser().parse_args(argv)
     try:

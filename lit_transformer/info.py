@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import textwrap
-from typing import Any
+from typing import Any, Sequence
 
+from .config import load_recipe, model_config, model_overrides
+from .errors import RecipeError
 from .model.accounting import (
     EMBEDDING_KEYS, cross_kv_cache_bytes_per_source_token, count_parameters, kv_cache_bytes_per_token,
     non_embedding_parameters, parameter_breakdown, train_flops,
@@ -18,42 +20,39 @@ from .model.config import PRESETS, ConfigError, TransformerConfig, closest, pres
 BF16_BYTES = 2
 
 
-def load_model_config(target: str) -> tuple[str, str | None, TransformerConfig]:
-    """(name, preset name or None, config) for a preset name or a recipe YAML path.
-
-    A recipe's `model` section holds TransformerConfig fields, optionally on top of
-    `preset: NAME`. Errors are ConfigErrors that name the file and the key.
-    """
-    if target in PRESETS:
+def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, str | None, TransformerConfig]:
+    """(name, preset name or None, config) for a preset name or a recipe path. A recipe is read
+    by `load_recipe`, as every command reads it (extends and key=value overrides applied); a
+    fine-tuning recipe's model is finetune.from's config with the recipe's fields on top."""
+    if target in PRESETS and not os.path.isfile(target):
+        if overrides:
+            raise RecipeError("key=value overrides apply to recipes, not presets")
         return target, target, preset(target)
     if not os.path.isfile(target):
         if target.endswith((".yaml", ".yml")) or os.sep in target:
-            raise ConfigError(f"recipe file {target!r} does not exist")
+            raise RecipeError(f"{target}: no such recipe file")
         raise ConfigError(f"unknown preset {target!r}{closest(target, PRESETS)}; presets: {', '.join(PRESETS)}")
-    from omegaconf import OmegaConf  # only recipes need it
-
-    recipe = OmegaConf.to_container(OmegaConf.load(target), resolve=True)
-    if not isinstance(recipe, dict) or not isinstance(recipe.get("model"), dict):
-        raise ConfigError(f"{target}: no `model` section (a mapping of model fields, optionally with `preset: NAME`)")
-    fields = dict(recipe["model"])
-    preset_name = fields.pop("preset", None)
+    recipe = load_recipe(target, overrides)
     name = os.path.splitext(os.path.basename(target))[0]
+    if recipe.finetune.from_ is None:
+        return name, recipe.model.preset, model_config(recipe)
+    from .loading import resolve_source, source_model_config  # reads the source's model config
+
+    config = source_model_config(resolve_source(recipe.finetune.from_))
     try:
-        config = preset(preset_name, **fields) if preset_name is not None else TransformerConfig.from_dict(fields)
+        return name, recipe.model.preset, config.replace(**model_overrides(recipe))
     except ConfigError as error:
-        raise ConfigError(f"{target}: {error}") from None
-    except TypeError as error:  # a field without default is missing when there is no preset
-        raise ConfigError(f"{target}: model: {error}") from None
-    return name, preset_name, config
+        raise RecipeError(f"{target}: {error}") from None
 
 
-def info(target: str, seq_len: int | None = None, decoder_seq_len: int | None = None) -> dict[str, Any]:
+def info(target: str, overrides: Sequence[str] = (), seq_len: int | None = None,
+         decoder_seq_len: int | None = None) -> dict[str, Any]:
     """Accounting for a preset name or recipe path, as a JSON-serialisable dict.
 
     FLOPs are at `seq_len` (default the config's max_seq_len) and, for encoder-decoder models,
     `decoder_seq_len` targets (default `seq_len`); KV-cache bytes are for bfloat16.
     """
-    name, preset_name, cfg = load_model_config(target)
+    name, preset_name, cfg = load_model_config(target, overrides)
     seq_len = seq_len or cfg.max_seq_len
     if cfg.arch == "encoder_decoder":
         decoder_seq_len = decoder_seq_len or seq_len
@@ -61,7 +60,7 @@ def info(target: str, seq_len: int | None = None, decoder_seq_len: int | None = 
     return {
         "name": name,
         "preset": preset_name,
-        "source": "preset" if target in PRESETS else os.path.abspath(target),
+        "source": os.path.abspath(target) if os.path.isfile(target) else "preset",
         "arch": cfg.arch,
         "parameters": count_parameters(cfg),
         "non_embedding_parameters": non_embedding_parameters(cfg),

@@ -1,5 +1,6 @@
-"""Trainer factories: strategy, precision, callbacks and loggers. Everything distributed lives
-here (never in model/ or objectives/): the LightningModule stays the same on one CPU or many GPUs.
+"""Trainer factories: strategy, precision, callbacks and loggers. What is specific to DDP and
+FSDP2 lives in distributed.py; checkpoint formats in checkpointing.py; the run directory's
+layout in rundir.py.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
 
-from .checkpointing import AtomicCheckpointIO
-from .config import RecipeError, RunConfig, to_dict
-from .objectives.base import gathered_parameters
-
-WANDB_ID_FILE = "wandb_id.txt"
-CHECKPOINT_DIR = "checkpoints"
-CSV_DIR = "csv"
-SAMPLES_FILE = "samples.jsonl"
+from .checkpointing import AtomicCheckpointIO, newest_complete
+from .config import to_dict
+from .data.collate import batch_generator
+from .distributed import FSDP2Strategy, gathered_parameters, is_main_process, is_sharded
+from .errors import RecipeError, RunError
+from .rundir import CHECKPOINT_DIR, CSV_DIR, SAMPLES_FILE, WANDB_DIR, WANDB_ID_FILE
+from .schema import RunConfig
 
 
 # ----------------------------------------------------------------------------- strategy
@@ -57,141 +56,6 @@ def check_precision(cfg: RunConfig) -> None:
         raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
 
 
-class FSDP2Strategy(ModelParallelStrategy):
-    """ModelParallelStrategy as pure FSDP2: data_parallel_size = world size and
-    tensor_parallel_size = 1, fixed once the launcher knows the world size (its "auto"
-    defaults are data_parallel = nodes and tensor_parallel = devices per node, i.e. tensor
-    parallelism inside a node, which the objectives do not implement). The device mesh takes
-    the root device's type, so on CPU it is a gloo mesh and on GPUs an NCCL one.
-
-    Checkpoints are distributed: a directory holding one shard file per rank and meta.pt."""
-
-    def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
-        super().setup_environment()
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether FSDP2 has sharded the module's parameters (they are DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's whole state dict on CPU. Under FSDP2 every rank must call this (the
-    shards are all-gathered); rank 0 receives the tensors, the other ranks an empty dict."""
-    if not is_sharded(module):
-        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def consolidated(module: L.LightningModule, rank: int) -> L.LightningModule | None:
-    """The objective with whole (unsharded) CPU weights, for saving the final model. Without
-    FSDP this is the module itself. Under FSDP2 every rank must call it (the shards are
-    all-gathered); rank 0 gets a fresh copy rebuilt from the module's hyperparameters and
-    loaded with the gathered weights, the other ranks None."""
-    if not is_sharded(module):
-        return module
-    state = full_state_dict(module)
-    if rank != 0:
-        return None
-    extra = {"bleu": False} if "task" in module.hparams else {}  # Seq2SeqLM: BLEU needs a detokenizer
-    with torch.device("cpu"):
-        copy = type(module)(**{**module.hparams, **extra})
-    copy.load_state_dict(state)
-    return copy
-
-
-SHARDED_META = "meta.pt"  # what ModelParallelStrategy writes beside the shards (rank 0, last)
-
-
-def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    """A distributed (FSDP2) checkpoint: a directory of per-rank shard files plus meta.pt."""
-    return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
-
-
-def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A distributed checkpoint as one ordinary Lightning checkpoint dict (meta.pt's contents
-    plus a whole `state_dict`), in this process without a process group: every weight is
-    read in full from the shards (torch.distributed.checkpoint.load, no_dist=True) into a
-    tensor allocated from the checkpoint's metadata. Optimizer states are not read."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(path)
-    checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
-    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    prefix = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}
-    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in entries.items()
-               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    dcp.load({"state_dict": weights}, checkpoint_id=str(path), no_dist=True)
-    checkpoint["state_dict"] = weights
-    return checkpoint
-
-
-def materialize(module: torch.nn.Module, device: torch.device) -> None:
-    """Allocate and initialise a module built on the meta device after FSDP2 sharded it: each
-    rank allocates only its shards (`to_empty`), and `init_weights` then draws every weight
-    in full, one tensor at a time on the CPU, keeping this rank's rows. The draws come from
-    the global generator in the order an unsharded `init_weights` takes them, so the sharded
-    model starts from exactly the weights a one-process run starts from, at a peak of one
-    whole tensor beyond the shards. (DTensor's own random ops would draw each shard locally on
-    CPU meshes; torch.distributed.tensor._random supports only CUDA-like devices.)"""
-    from .model.init import init_weights
-    from .model.language_model import LanguageModel
-
-    if not any(p.is_meta for p in module.parameters()):
-        return
-    module.to_empty(device=device)
-    for sub in module.modules():
-        if isinstance(sub, LanguageModel):
-            sub.tie_weights()  # to_empty allocates a tied weight once per name
-            state = getattr(sub, "init_rng_state", None)  # set by the runner when it built the model
-            with torch.random.fork_rng(devices=[]), _WholeTensorDraws():
-                if state is not None:
-                    torch.set_rng_state(state)
-                init_weights(sub, sub.config)
-    left = [name for name, p in module.named_parameters() if p.is_meta]
-    if left:
-        raise RuntimeError(f"meta-device parameters left without initialisation: {left[:3]}")
-
-
-class _WholeTensorDraws(torch.overrides.TorchFunctionMode):
-    """Inside: `normal_` on a sharded DTensor draws the whole tensor from the global
-    generator on the CPU and copies this rank's dim-0 chunk into the local shard (FSDP2
-    shards dim 0 as torch.chunk does)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor, Shard
-
-        kwargs = dict(kwargs or {})
-        # nn.init.normal_ dispatches itself (keyword arguments) while a mode is active
-        if func not in (torch.Tensor.normal_, torch.nn.init.normal_):
-            return func(*args, **kwargs)
-        target = args[0] if args else kwargs.pop("tensor")
-        if not isinstance(target, DTensor):
-            return func(target, *args[1:], **kwargs)
-        (placement,) = target.placements
-        whole = torch.empty(target.shape, dtype=target.dtype)
-        func(whole, *args[1:], **kwargs)  # the draws of an unsharded init
-        local = target.to_local()
-        if isinstance(placement, Shard):
-            mesh = target.device_mesh
-            pieces = torch.chunk(whole, mesh.size(), dim=placement.dim)
-            rank = mesh.get_local_rank()
-            whole = pieces[rank] if rank < len(pieces) else whole[:0]
-        if whole.shape != local.shape:
-            raise RuntimeError(f"shard shape {tuple(local.shape)} is not torch.chunk's {tuple(whole.shape)}")
-        with torch.no_grad():
-            local.copy_(whole)
-        return target
-
-
 # ----------------------------------------------------------------------------- loggers
 
 
@@ -214,11 +78,6 @@ def wandb_mode(requested: str) -> str | None:
         print("W&B: no API key (WANDB_API_KEY or ~/.netrc): logging offline; sync later with `wandb sync`")
         return "offline"
     return requested
-
-
-def is_main_process() -> bool:
-    """False in the extra processes a multi-device launch starts (LOCAL_RANK / NODE_RANK > 0)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 def wandb_run_id(run_dir: Path, resume: bool) -> str:
@@ -250,8 +109,9 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
     return loggers
 
 
-def finish_wandb() -> None:
-    """Close the W&B run so the next run in this process starts its own (WandbLogger would reuse it)."""
+def finish_wandb(run_dir: Path | None = None) -> None:
+    """Close the W&B run so the next run in this process starts its own (WandbLogger would
+    reuse it), then join the run's offline folders into one (a resumed run writes another)."""
     import sys
 
     if "wandb" in sys.modules:
@@ -259,26 +119,11 @@ def finish_wandb() -> None:
 
         if wandb.run is not None:
             wandb.finish()
+    id_file = run_dir / WANDB_ID_FILE if run_dir is not None else None
+    if id_file is not None and id_file.is_file() and is_main_process():
+        from .wandb_offline import fold_segments
 
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, float]]:
-    """Every CSV row of a run, all versions (a resumed run appends a version) in order; empty
-    cells dropped. Rows of a later version replace rows of the same step from an earlier one."""
-    import csv
-
-    rows: list[dict[str, float]] = []
-    versions = sorted(Path(run_dir, CSV_DIR).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    for version in versions:
-        path = version / "metrics.csv"
-        if not path.is_file():
-            continue
-        with path.open(newline="") as file:
-            new = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(file)]
-        first = min((r["step"] for r in new if "step" in r), default=None)
-        if first is not None:
-            rows = [r for r in rows if r.get("step", -1) < first]
-        rows.extend(new)
-    return rows
+        fold_segments(run_dir / WANDB_DIR, id_file.read_text().strip())
 
 
 # ----------------------------------------------------------------------------- callbacks
@@ -307,8 +152,6 @@ class StepSeed(Callback):
         self.seed = seed
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        from .data.collate import batch_generator
-
         step_seed = batch_generator(self.seed, trainer.global_rank, trainer.fit_loop.total_batch_idx).initial_seed()
         torch.manual_seed(step_seed)  # seeds every CUDA device too
 
@@ -332,9 +175,6 @@ class NonFiniteGuard(Callback):
         self._run = self._run + (skipped - self._seen) if skipped > self._seen else 0
         self._seen = skipped
         if self._run >= self.patience:
-            from .checkpointing import newest_complete
-            from .rundir import RunError
-
             last = newest_complete(self.checkpoint_dir)
             kept = f"the newest checkpoint, {last}, holds the last good weights" if last else "no checkpoint was written"
             raise RunError(
@@ -344,11 +184,30 @@ class NonFiniteGuard(Callback):
 
 
 class ProgressBar(RichProgressBar):
-    """Rich progress bar showing the training loss and tokens/s (the objectives log both with
-    prog_bar=True) without Lightning's version number."""
+    """Rich progress bar counting optimizer steps toward trainer.max_steps across epochs (a
+    resumed run starts at its step), with elapsed and remaining time, the training loss and
+    tokens/s (the objectives log both with prog_bar=True), and no Lightning version number."""
 
-    def _get_train_description(self, current_epoch: int) -> str:
-        return f"epoch {current_epoch}"  # runs are counted in steps: max_epochs is -1
+    @property
+    def total_train_batches(self) -> int:
+        return self.trainer.max_steps
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.is_disabled or self.progress is None:
+            return
+        if self.train_progress_bar_id is None:  # once per run, not per epoch: the bar counts steps
+            self.train_progress_bar_id = self._add_task(trainer.max_steps, "training")
+        self._update(self.train_progress_bar_id, trainer.global_step)
+
+    def _initialize_train_progress_bar_id(self) -> None:
+        self.train_progress_bar_id = self._add_task(self.trainer.max_steps, "training")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)

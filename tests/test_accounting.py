@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lit_transformer.errors import RecipeError
 from lit_transformer.info import format_info, info, load_model_config
 from lit_transformer.model import PRESETS, ConfigError, LanguageModel, Transformer, TransformerConfig, preset
 from lit_transformer.model.accounting import (
@@ -201,11 +202,13 @@ def test_info_for_presets(name):
 
 
 def test_info_for_recipe_with_preset_and_overrides(tmp_path):
+    """A recipe is read as every command reads it: the vocabulary is the tokenizer's unless
+    model.vocab_size is set, and key=value overrides apply."""
     path = tmp_path / "gpt-tiny.yaml"
-    path.write_text("model:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n  n_heads: 3\n"
-                    "  max_seq_len: 77\ntrainer:\n  max_steps: 5\n")
-    d = info(str(path))
-    cfg = preset("gpt2-small", n_layers=3, d_model=96, n_heads=3, max_seq_len=77)
+    path.write_text("objective:\n  name: clm\nmodel:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n"
+                    "  n_heads: 3\n  max_seq_len: 77\ntrainer:\n  max_steps: 5\n")
+    d = info(str(path), ["tokenizer.vocab_size=5000"])
+    cfg = preset("gpt2-small", n_layers=3, d_model=96, n_heads=3, max_seq_len=77, vocab_size=5000)
     assert d["name"] == "gpt-tiny" and d["preset"] == "gpt2-small"
     assert d["parameters"] == count_parameters(cfg) == built_parameters(cfg)
     assert d["seq_len"] == 77
@@ -214,8 +217,8 @@ def test_info_for_recipe_with_preset_and_overrides(tmp_path):
 
 def test_info_for_recipe_without_preset(tmp_path):
     path = tmp_path / "t5ish.yaml"
-    path.write_text("model:\n  arch: encoder_decoder\n  vocab_size: 99\n  d_model: 24\n  n_heads: 6\n"
-                    "  n_layers: 2\n  d_ff: 37\n  max_seq_len: 13\n")
+    path.write_text("objective:\n  name: span\nmodel:\n  arch: encoder_decoder\n  vocab_size: 99\n  d_model: 24\n"
+                    "  n_heads: 6\n  n_layers: 2\n  d_ff: 37\n  max_seq_len: 13\n  position: t5_relative\n")
     d = info(str(path), decoder_seq_len=5)
     assert d["preset"] is None and d["decoder_seq_len"] == 5
     assert d["cross_kv_cache_bytes_per_source_token"] == 2 * 2 * 6 * 4 * 2
@@ -224,18 +227,21 @@ def test_info_for_recipe_without_preset(tmp_path):
 def test_info_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="gpt2-small"):  # the closest preset
         info("gpt2-smal")
+    with pytest.raises(RecipeError, match="overrides apply to recipes"):
+        info("gpt2-small", ["model.n_layers=3"])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  preset: gpt2-small\n  n_layer: 3\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml.*model\.n_layer.*n_layers"):
+    head = "objective:\n  name: clm\n"
+    bad.write_text(head + "model:\n  preset: gpt2-small\n  n_layer: 3\n")
+    with pytest.raises(RecipeError, match=r"bad\.yaml: unknown key model\.n_layer \(did you mean `model\.n_layers`"):
         info(str(bad))
-    bad.write_text("model:\n  preset: gpt2-smal\n")
-    with pytest.raises(ConfigError, match="did you mean `gpt2-small`"):
+    bad.write_text(head + "model:\n  preset: gpt2-smal\n")
+    with pytest.raises(RecipeError, match="did you mean `gpt2-small`"):
         info(str(bad))
     bad.write_text("trainer:\n  max_steps: 3\n")
-    with pytest.raises(ConfigError, match="no `model` section"):
+    with pytest.raises(RecipeError, match="missing value for objective.name"):
         load_model_config(str(bad))
-    bad.write_text("model:\n  arch: decoder\n  vocab_size: 99\n")
-    with pytest.raises(ConfigError, match="d_model"):
+    bad.write_text(head + "model:\n  arch: decoder\n  vocab_size: 99\n")
+    with pytest.raises(RecipeError, match="d_model"):
         info(str(bad))
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(RecipeError, match="no such recipe file"):
         info(str(tmp_path / "missing.yaml"))

@@ -14,7 +14,7 @@ import yaml
 
 from lit_transformer.cli import main
 from lit_transformer.config import load_recipe
-from lit_transformer.training import read_metrics
+from lit_transformer.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "export")
@@ -34,15 +34,7 @@ VOCAB = {"tiny-mlm": 400, "tiny-clm": 400, "tiny-span": 420, "tiny-seq2seq": 400
 TINY = tuple(VOCAB)
 
 
-@pytest.fixture(autouse=True)
-def _setup(monkeypatch, tmp_path_factory):
-    """One torch thread (faster for tiny models on shared 2-core machines) and a private cache."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.usefixtures("one_thread", "private_cache"), pytest.mark.slow]  # trains every tiny recipe
 
 
 def pretrain_args(name: str, run_dir: Path, *extra: str) -> list[str]:
@@ -127,7 +119,7 @@ def test_bad_checkpoint_is_a_user_error(tmp_path, capsys):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    from lit_transformer.config import RecipeError
+    from lit_transformer.errors import RecipeError
 
     with pytest.raises(RecipeError):
         main(["--debug", "pretrain", str(RECIPES / "tiny-clm.yaml"), "trainer.max_step=3"])

@@ -137,6 +137,7 @@ def test_pool_gives_the_same_arrays_as_one_process(name, tokenizers, docs, small
         assert len(set(pids)) == num_proc  # the batches really crossed the pool, to every worker
 
 
+@pytest.mark.slow
 def test_spawned_workers_give_the_same_arrays(tokenizers, docs, monkeypatch):
     # the start method off Linux: workers import the package and get everything by pickling
     monkeypatch.setattr(pack, "BATCH_BYTES", 20_011)

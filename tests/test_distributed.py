@@ -25,6 +25,8 @@ from safetensors.torch import load_file
 from lit_transformer.config import load_recipe
 from lit_transformer.runner import train
 
+pytestmark = pytest.mark.distributed
+
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq")
 # span corruption of 24-token blocks has one noise span and nothing random left to draw: 48 has two
@@ -220,7 +222,7 @@ def test_ranks_see_disjoint_halves_of_the_global_batch(request, strategy, object
 
 def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, single):
     from lit_transformer import load_pretrained
-    from lit_transformer.runner import evaluate, export, generate
+    from lit_transformer.inference import evaluate, export, generate
 
     run = fsdp / "resumed"
     shards = run / "checkpoints" / f"step-{STEPS}.ckpt"  # save_top_k=1 kept the newest
@@ -247,8 +249,9 @@ def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, s
 
 
 def test_fsdp_strategy_and_16_mixed_refused_on_cpu(tmp_path):
-    from lit_transformer.config import RecipeError
-    from lit_transformer.training import FSDP2Strategy, build_strategy
+    from lit_transformer.distributed import FSDP2Strategy
+    from lit_transformer.errors import RecipeError
+    from lit_transformer.training import build_strategy
 
     clm = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.strategy=fsdp", f"run.dir={tmp_path}"])
     assert isinstance(build_strategy(clm), FSDP2Strategy)

@@ -12,6 +12,7 @@ from lit_transformer.model import TransformerConfig
 from lit_transformer.objectives import CausalLM, Seq2SeqLM
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
+from conftest import tiny_config
 
 N, C, V = 37, 24, 99
 
@@ -74,8 +75,8 @@ def test_under_bf16_autocast_it_matches_the_plain_path():
 def tiny(arch: str) -> TransformerConfig:
     extra = dict(position="t5_relative", relative_buckets=8, relative_max_distance=16, norm="rmsnorm",
                  scale_decoder_output=True) if arch == "encoder_decoder" else dict(position="learned")
-    return TransformerConfig(arch=arch, vocab_size=V, d_model=C, n_heads=3, n_layers=2, d_ff=37, max_seq_len=80,
-                             dropout=0.0, attention_dropout=0.0, tie_embeddings=True, **extra)
+    return tiny_config(arch, vocab_size=V, d_model=C, max_seq_len=80, dropout=0.0, attention_dropout=0.0,
+                       tie_embeddings=True, **extra)
 
 
 def batch_for(arch: str, length: int = 64) -> dict[str, torch.Tensor]:

@@ -35,14 +35,7 @@ SEQ2SEQ = ("t5_relative", "sinusoidal")
 LENGTHS = (7, 4, 6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: on a shared 2-core machine a second OpenMP thread makes every op wait
-    # on a busy core (measured: 12 ms instead of 12 us per 48x74 linear).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(kind: str, seed: int = 0) -> LanguageModel:

@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from lit_transformer.model import ConfigError, LanguageModel, TransformerConfig, init_weights, preset
+from lit_transformer.model.attention import Attention
 from lit_transformer.model.positions import alibi_slopes, apply_rope, rope_cos_sin, sinusoidal
+from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
 
 
 def tiny(arch="decoder", position="learned", **kw) -> TransformerConfig:
-    base = dict(arch=arch, vocab_size=V, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32,
-                position=position, relative_buckets=8, relative_max_distance=16)
-    base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(arch, position=position, **kw)
 
 
 def build(cfg, seed=0) -> LanguageModel:
@@ -113,11 +112,24 @@ def test_rope_scores_depend_only_on_relative_offset():
     torch.testing.assert_close(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1))
 
 
-def test_gqa_equals_mha_when_kv_heads_equal_heads():
-    a = build(tiny("decoder", "rope", n_heads=3, n_kv_heads=3), seed=1)
-    b = build(tiny("decoder", "rope", n_heads=3), seed=1)
-    ids = torch.randint(0, V, (B, T))
-    torch.testing.assert_close(a(ids), b(ids))
+@pytest.mark.parametrize("n_kv_heads", [6, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_attention_heads_equal_an_explicit_reference(n_kv_heads, impl):
+    """Query head h attends with key/value head h // (H / K), written out head by head."""
+    H, D, C = 6, 4, 26
+    torch.manual_seed(0)
+    attn = Attention(C, H, n_kv_heads, D, bias=True, dropout=0.0, scale=True, impl=impl)
+    x = torch.randn(B, T, C)
+    q = attn.q(x).view(B, T, H, D)
+    k, v = attn.k(x).view(B, T, n_kv_heads, D), attn.v(x).view(B, T, n_kv_heads, D)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # (T, S)
+    heads = []
+    for h in range(H):
+        group = h // (H // n_kv_heads)
+        scores = q[:, :, h] @ k[:, :, group].transpose(1, 2) / D ** 0.5  # (B, T, S)
+        heads.append(scores.masked_fill(future, float("-inf")).softmax(-1) @ v[:, :, group])  # (B, T, D)
+    expected = attn.o(torch.stack(heads, dim=2).reshape(B, T, H * D))  # (B, T, C)
+    torch.testing.assert_close(attn(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])

@@ -24,26 +24,20 @@ from lit_transformer.objectives import (
     lr_multiplier, make_scheduler, parameter_groups, token_cross_entropy,
 )
 from lit_transformer.objectives.metrics import CorpusBLEU
+from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and the machine's two cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _seeded_and_quiet(one_thread):
     torch.manual_seed(0)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(arch: str, **overrides) -> TransformerConfig:
-    values = dict(arch=arch, vocab_size=V, d_model=30, n_heads=3, n_layers=2, d_ff=44, max_seq_len=32)
-    values.update(overrides)
-    return TransformerConfig(**values)
+    return tiny_config(arch, **{"d_model": 30, "d_ff": 44, **overrides})
 
 
 def fast_optim(lr: float = 1e-2, **overrides) -> OptimConfig:
@@ -268,7 +262,7 @@ def test_corpus_bleu_from_summed_statistics_equals_sacrebleu():
 
 
 def test_peak_flops_table_and_config_errors():
-    from lit_transformer.model.config import ConfigError
+    from lit_transformer.errors import RecipeError
     from lit_transformer.objectives.metrics import peak_flops_for
 
     assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989.4e12
@@ -284,9 +278,9 @@ def test_peak_flops_table_and_config_errors():
     finally:
         torch.set_float32_matmul_precision(precision)
     assert peak_flops_for("Tesla T4", "bf16-mixed") is None
-    with pytest.raises(ConfigError, match="warmup_steps"):
+    with pytest.raises(RecipeError, match="warmup_steps"):
         OptimConfig.from_dict({"lr": 1.0, "warmup_step": 3})
-    with pytest.raises(ConfigError, match="cosine"):
+    with pytest.raises(RecipeError, match=r"optim\.schedule='cosin' is not one of .*\(did you mean `cosine`\?\)"):
         OptimConfig(schedule="cosin")
 
 
@@ -507,6 +501,7 @@ with open(f"report_{fit.global_rank}.json", "w") as f:  # the ranks share stdout
 """
 
 
+@pytest.mark.distributed
 def test_fsdp2_two_processes_skip_a_nonfinite_step_together(tmp_path):
     """configure_model shards every block under ModelParallelStrategy (2 gloo processes); a
     NaN on one rank only makes both ranks skip the same step, with weights and AdamW state

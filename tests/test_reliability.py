@@ -20,8 +20,8 @@ import torch
 from lit_transformer import checkpointing
 from lit_transformer.checkpointing import checkpoint_step, read_checkpoint
 from lit_transformer.cli import main
-from lit_transformer.rundir import RunError, latest_checkpoint
-from lit_transformer.training import read_metrics
+from lit_transformer.errors import RunError
+from lit_transformer.rundir import latest_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -38,15 +38,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _setup(monkeypatch, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
 
 def pretrain(run_dir: Path, *extra: str, recipe: str = "tiny-clm") -> list[str]:
@@ -93,6 +85,7 @@ def tiny_run(tmp_path_factory):
 CRASH = ["trainer.max_steps=12", "trainer.val_check_interval=12", "trainer.checkpoint_every_n_steps=4"]
 
 
+@pytest.mark.slow
 def test_kill_9_inside_a_checkpoint_write_then_resume_matches_an_uninterrupted_run(tmp_path):
     """The run is killed while last.ckpt of step 8 sits written and fsync'ed in its temporary
     file, not yet renamed (the test hook holds that window open): step-8.ckpt is complete,
@@ -443,6 +436,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_dying_dataloader_worker_is_a_clear_error_not_a_hang(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = pretrain(tmp_path / "run", "data.num_workers=1", "trainer.max_steps=4", "trainer.val_check_interval=4")

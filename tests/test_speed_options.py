@@ -22,19 +22,18 @@ from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
 from lit_transformer.model.transformer import Block
 from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
-from lit_transformer.objectives.base import CheckpointedBlock, ObjectiveBase, checkpoint_block
+from lit_transformer.distributed import CheckpointedBlock, checkpoint_block
+from lit_transformer.objectives.base import ObjectiveBase
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
+from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 
 
 def tiny(arch: str, **kw) -> TransformerConfig:
-    base = dict(arch=arch, vocab_size=V, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32,
-                dropout=0.1, attention_dropout=0.1, position="t5_relative" if arch == "encoder_decoder" else "learned",
-                relative_buckets=8, relative_max_distance=16,
+    base = dict(dropout=0.1, attention_dropout=0.1, position="t5_relative" if arch == "encoder_decoder" else "learned",
                 lm_head="bert_mlm" if arch == "encoder" else "linear")
-    base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_config(arch, **{**base, **kw})
 
 
 def batch_for(arch: str) -> dict[str, torch.Tensor]:
@@ -157,6 +156,7 @@ def test_checkpoint_block_refuses_other_modules():
         checkpoint_block(torch.nn.Linear(3, 5))
 
 
+@pytest.mark.slow
 def test_compile_runs_a_step_and_matches_eager():
     """torch.compile per block (inductor on CPU); measured about 25 s for the first step here."""
     cfg = tiny("decoder", dropout=0.0, attention_dropout=0.0)
@@ -185,6 +185,7 @@ _RECIPE_RUN = [
 ]
 
 
+@pytest.mark.slow
 def test_recipe_keys_compile_and_checkpoint_the_trained_blocks(tmp_path):
     """`trainer.compile=true trainer.activation_checkpointing=true` reach the objective through
     the runner: the blocks that trained were checkpointed and compiled, and the per-step losses
@@ -325,7 +326,7 @@ from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lit_transformer.model import TransformerConfig
 from lit_transformer.objectives import CausalLM, OptimConfig
-from lit_transformer.objectives.base import CheckpointedBlock
+from lit_transformer.distributed import CheckpointedBlock
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -353,6 +354,7 @@ with open(f"report_{int(checkpointing)}_{fit.global_rank}.json", "w") as f:
 """
 
 
+@pytest.mark.distributed
 def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
     """configure_model checkpoints every block, then FSDP2 shards it (2 gloo processes, dropout
     on): the same per-step losses on every rank as without checkpointing."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from lit_transformer.config import RecipeError, load_recipe
+from lit_transformer.config import load_recipe
+from lit_transformer.rundir import read_metrics
 from lit_transformer.runner import train
-from lit_transformer.training import build_strategy, read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -31,14 +32,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(monkeypatch, tmp_path_factory):
-    """One torch thread (shared 2-core machines run tiny models faster) and a private cache."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
 
 class StopAt(Callback):
@@ -79,14 +73,50 @@ def test_resume_continues_exactly(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
-    # the same W&B run continues: both offline segments carry the stored id
+    # the same W&B run continues, in one offline folder whose log holds every step once
     run_id = (parts / "wandb_id.txt").read_text().strip()
-    segments = sorted(glob.glob(str(parts / "wandb" / "offline-run-*")))
-    assert len(segments) == 2 and all(s.endswith(run_id) for s in segments)
+    (segment,) = glob.glob(str(parts / "wandb" / "offline-run-*"))
+    assert segment.endswith(run_id) and (parts / "wandb" / "latest-run").resolve() == Path(segment).resolve()
+    log = Path(segment) / f"run-{run_id}.wandb"
+    assert valid_checksums(log)
+    kinds = [r.WhichOneof("record_type") for r in wandb_records(log)]
+    assert kinds.count("run") == 1 and kinds.count("exit") == 1 and kinds[-1] == "exit"
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in wandb_records(log) if r.WhichOneof("record_type") == "history"]
+    logged = {int(h["trainer/global_step"]): h["train/loss"] for h in history if "train/loss" in h}
+    assert logged == pytest.approx(expected, rel=1e-6)
+    steps = [h["_step"] for h in history]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # renumbered to continue
+
+
+class BarProbe(Callback):
+    """(total, completed, tokens/s shown) of the progress bar's training task after each batch."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
+        bar = trainer.progress_bar_callback
+        task = bar.train_progress_bar
+        self.seen.append((task.total, task.completed, trainer.global_step,
+                          "tokens/s" in bar.get_metrics(trainer, pl_module)))
+
+
+def test_progress_bar_counts_optimizer_steps_toward_max_steps(tmp_path):
+    common = ["trainer.max_steps=4", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=4",
+              "trainer.checkpoint_every_n_steps=2", "logger.wandb.mode=disabled"]
+    first, second = BarProbe(), BarProbe()
+    train(clm_config(tmp_path / "run", *common), callbacks=[first, StopAt(2)])
+    train(clm_config(tmp_path / "run", *common, "resume=auto"), callbacks=[second])
+    assert {total for total, *_ in first.seen + second.seen} == {4}  # optimizer steps, not batches
+    assert all(completed == step for _, completed, step, _ in first.seen + second.seen)
+    assert [c for _, c, _, _ in first.seen] == [0, 1, 1, 2]  # two batches per optimizer step
+    assert [c for _, c, _, _ in second.seen] == [2, 3, 3, 4]  # the resumed run starts at its step
+    assert first.seen[-1][3] and second.seen[-1][3]  # tokens/s, once a logging window closed
 
 
 def test_resume_path_and_missing_checkpoint(tmp_path):
-    from lit_transformer.rundir import RunError
+    from lit_transformer.errors import RunError
 
     with pytest.raises(RunError, match="no such checkpoint"):
         train(clm_config(tmp_path / "r", f"resume={tmp_path / 'none.ckpt'}"), progress_bar=False)
@@ -118,6 +148,24 @@ def wandb_records(path: str):
             record = pb.Record()
             record.ParseFromString(buffer)
             yield record
+
+
+def valid_checksums(path) -> bool:
+    """Every chunk's CRC-32 (of its type byte and data) matches, as wandb sync checks."""
+    data, pos = Path(path).read_bytes(), 7
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        if zlib.crc32(data[pos + 7:pos + 7 + length], zlib.crc32(bytes([kind]))) != checksum:
+            return False
+        pos += 7 + length
+    return True
 
 
 def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):

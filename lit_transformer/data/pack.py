@@ -13,35 +13,22 @@ The only text dropped is the final partial block (< one stride), reported as `dr
 
 Tokenization works on batches of about 1 MB of text. The byte-level BPE that tokenizer.py
 trains takes fast_encode.py's word-cache shortcut (the same ids, split by Python's `re`, each
-distinct word encoded once). `python benchmarks/data_prep.py` on WikiText-2 (2.4 MB, 8k BPE, 2
-shared cores; whole first run: read, tokenize, pack, write) measures 6.9-7.5 MB per CPU-second
-(7.0-7.6 with RAYON_NUM_THREADS=1), against 3.3-3.6 when the same text goes through
-`encode_batch_fast`. Every other tokenizer uses `encode_batch_fast`, which runs the batch on
-all cores and skips offset computation: 2.2 MB/s wall-clock on the same corpus with the earlier
-GPT-2 pre-tokenizer, against 1.6-1.8 MB/s for `datasets.map(batched=True)` with one process and
-1.2-1.5 MB/s with `num_proc=2` (Arrow round trips and pickling cost more than the second
-process brings). BPE models get a 1M-word cache there: the library default of 10k words
-thrashes on real corpora.
+distinct word encoded once), about twice the throughput of `encode_batch_fast`. Every other
+tokenizer uses `encode_batch_fast`, which runs the batch on all cores and skips offset
+computation, faster than `datasets.map(batched=True)` (Arrow round trips and pickling cost more
+than a second process brings). BPE models get a 1M-word cache there: the library default of
+10k words thrashes on real corpora. `python benchmarks/data_prep.py` measures the throughput;
+benchmarks/README.md records the figures.
 
 Processes (data.num_proc; `encode_documents`): batches go to a pool of worker processes, each
 with its own encoder built once, and come back in order, identical to one process's. num_proc=None
 packs the first SWITCH_CHARS (16 MB) here, then starts min(available cores, 8) workers. The
-pool's fixed price: forking the ~400 MB-RSS parent (0.09 s to start and stop 2 workers) and each
-worker's cold word cache (WikiText-2's 18k distinct words: ~0.15 CPU-s per worker, again).
-`python benchmarks/data_prep.py --num-proc N [--repeat-corpus 8]` (2 shared cores, best of 3):
-
-    WikiText-2, 2.37 MB    num_proc 1: 7.0-7.9 MB/s, 6.2-7.2 MB/CPU-s    2: 6.9-7.8 MB/s, 4.0-4.5 MB/CPU-s
-    8 copies, 18.9 MB      num_proc 1: 11.1-12.1 MB/s, 10.6-11.8         2: 19-20 MB/s, 10.2-10.9
-    8 copies, automatic    16 MB serial, the last 2.2 MB in the pool: 10.2-11.6 MB/s (no gain)
-
-So on this 2-core machine two processes bring 1.7-1.8x wall-clock once the pool has ~20 MB to
-work on, for the same CPU per MB, and nothing on a 2.4 MB corpus, where the warm-up costs as
-much as the second core brings (+60% CPU). (The repeated corpus has no new words after its
-first copy: 11 MB/CPU-s against 7 on fresh text.) Break-even: the pool saves ~0.04 s per MB here
-and costs ~0.15 s, i.e. ~4 MB left after the switch (less with more cores). SWITCH_CHARS is 4x
-that: small corpora (tests, tiny recipes, WikiText-2) never fork, and a large one pays at most
-~1 s for its serial prefix. The parent's own share (read, batch, pickle, write: 0.24 CPU-s for
-18.9 MB, ~80 MB/s) caps the speed-up: 8 workers at 7-11 MB/s saturate it, hence MAX_AUTO_PROC.
+pool's fixed price is forking the parent and each worker's cold word cache, so a small corpus
+gains nothing from a second process: SWITCH_CHARS is about 4x the break-even that
+`python benchmarks/data_prep.py --num-proc N [--repeat-corpus 8]` measured (benchmarks/README.md),
+so that small corpora (tests, tiny recipes, WikiText-2) never fork and a large one pays about a
+second for its serial prefix. The parent's own share (read, batch, pickle, write) caps the
+speed-up, hence MAX_AUTO_PROC.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objec
 from lit_transformer.data.corpus import SplitSource, build_sources, fingerprint_config, objective_kind
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
-from lit_transformer.data.span import span_lengths
+from lit_transformer.data.span_sizes import span_lengths
 from lit_transformer.data.tokenizer import (BYTE_LEVEL_PATTERN, SpecialTokens, check_tokenizer, load_tokenizer,
                                             save_tokenizer, train_tokenizer)
 

@@ -30,6 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from lit_transformer.data.config import TokenizerConfig, check_objective
 from lit_transformer.data.errors import DataError
+from lit_transformer.data.span_sizes import span_lengths
 
 ROLES = ("pad", "unk", "bos", "eos", "cls", "sep", "mask")
 TRAINED_SPECIALS = {
@@ -278,8 +279,6 @@ def check_tokenizer(tokenizer: Tokenizer, objective: str, model_vocab_size: Opti
         need(sp.eos_id is not None, "eos token (</s>)")
         need(sp.decoder_start_id is not None, "pad token (<pad>, the decoder start)")
         if block_size is not None:
-            from lit_transformer.data.span import span_lengths
-
             spans = span_lengths(block_size, noise_density, mean_span_length).noise_spans
             if len(sp.sentinel_ids) < spans:
                 raise DataError(f"span corruption of data.block_size={block_size} needs {spans} sentinel tokens "

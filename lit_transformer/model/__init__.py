@@ -1,13 +1,26 @@
-"""The shared Transformer core."""
+"""The shared Transformer core.
 
-from .attention import KVCache
-from .config import PRESETS, ConfigError, TransformerConfig, preset
-from .heads import ClassificationHead, LMHead
-from .init import init_weights
-from .language_model import LanguageModel
-from .transformer import Transformer
+The public names are imported on first use (PEP 562), so that `from lit_transformer.model.config
+import preset` does not import torch: the command line's `info` and `--help` stay instant.
+"""
 
-__all__ = [
-    "ConfigError", "ClassificationHead", "KVCache", "LMHead", "LanguageModel", "PRESETS", "Transformer",
-    "TransformerConfig", "init_weights", "preset",
-]
+from importlib import import_module
+
+_EXPORTS = {
+    "KVCache": "attention", "PRESETS": "config", "ConfigError": "config", "TransformerConfig": "config",
+    "preset": "config", "ClassificationHead": "heads", "LMHead": "heads", "init_weights": "init",
+    "LanguageModel": "language_model", "Transformer": "transformer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

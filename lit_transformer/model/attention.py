@@ -76,9 +76,8 @@ def _matmuls_faster(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     """Whether `_matmul_attention` beats SDPA: on CPU in bf16/fp16, two batched matrix
     products (oneDNN's bf16 GEMM) and a softmax run faster than SDPA's CPU flash kernel, and
     far faster than SDPA's math fallback, which it takes whenever the bias needs a gradient
-    (T5). Forward + backward, 12 heads, D=64, 1 thread (measured): T=S=512, B=2, no mask 43
-    against 71 ms, T5's bias 46 against 117 ms; causal 63 against 73 ms, and at T=256, B=4 34
-    against 44 ms, but at T=1024 flash's skipping of the upper half wins (92 against 124 ms).
+    (T5). At long causal lengths flash's skipping of the upper half wins instead, hence
+    _MAX_CAUSAL_KEYS; `python benchmarks/kernels.py` measures each case (benchmarks/README.md).
     The price is the (B, H, T, S) probabilities kept for backward, hence the size limit."""
     if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -211,10 +210,9 @@ def _stack(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether to run projections of the same input as one stacked product (`_stacked_linear`):
     only for untouched nn.Linear modules (no hooks, not replaced by an adapter), where that is
     exactly calling each, and only for at least d_model tokens. Stacking copies the weights
-    (3 C^2 elements) to save re-reading the input (3 T C): a loss for KV-cache decoding, which
-    measured 4% slower with it (GPT-2-small-class, 1 thread), and a gain in training steps under
-    contention for the CPU (fewer, larger kernels: one block's forward + backward measured
-    530 instead of 662 ms, 1024 tokens, 2 threads on a shared 2-core machine; equal on 1 thread)."""
+    (3 C^2 elements) to save re-reading the input (3 T C): a loss for KV-cache decoding (one
+    token), a gain in training steps, most of all under contention for the CPU (fewer, larger
+    kernels). `python benchmarks/kernels.py` measures both (benchmarks/README.md)."""
     if x.shape[:-1].numel() < x.shape[-1]:
         return False
     return all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks) for m in linears)

@@ -249,8 +249,10 @@ def _check_model(model: Any) -> LanguageModel:
     return model
 
 
-def save_pretrained(model: LanguageModel, out_dir: str | os.PathLike) -> Path:
+def save_pretrained(model: LanguageModel, out_dir: str | os.PathLike, *, objective: str | None = None) -> Path:
     """Write lit-transformer's model directory (config.json + model.safetensors); returns its path.
+    `objective` (the training objective's registered name) is recorded in config.json under
+    "objective" when given; loading ignores it.
 
     safetensors refuses tensors that share memory, so each tied group is stored once under its
     first state-dict name (e.g. transformer.tokens.weight); loading re-ties through the config.
@@ -259,6 +261,8 @@ def save_pretrained(model: LanguageModel, out_dir: str | os.PathLike) -> Path:
     state = model.state_dict()
     tensors = {first: state[first].detach().cpu().contiguous() for first in _parameter_groups(model)}
     config = {"lit_transformer": NATIVE_FORMAT, "model": model.config.to_dict()}
+    if objective is not None:
+        config["objective"] = objective
     return _write_dir(Path(out_dir), config, tensors)
 
 

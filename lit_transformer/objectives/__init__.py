@@ -1,4 +1,8 @@
-"""Training objectives: one LightningModule per objective on a shared base."""
+"""Training objectives: one LightningModule per objective on a shared base.
+
+Importing this package registers every built-in objective with the registry
+(`registry.implements`); `objective_class(name)` then returns its class.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,14 @@ from typing import Any, Iterable
 
 import torch
 
+from ..registry import objective_class
+from ..schema import OptimConfig
 from .base import ObjectiveBase
 from .causal_lm import CausalLM
 from .classifier import SequenceClassifier
 from .masked_lm import MaskedLM
 from .metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
-from .optim import OptimConfig, lr_multiplier, make_scheduler, parameter_groups
+from .optim import lr_multiplier, make_scheduler, parameter_groups
 from .seq2seq import Seq2SeqLM
 
 
@@ -41,6 +47,6 @@ def evaluate_batches(module: ObjectiveBase, batches: Iterable[dict[str, Any]],
 
 __all__ = [
     "CausalLM", "IGNORE_INDEX", "MaskedLM", "ObjectiveBase", "OptimConfig", "Seq2SeqLM", "SequenceClassifier",
-    "bits_per_byte", "evaluate_batches", "lr_multiplier", "make_scheduler", "parameter_groups",
+    "bits_per_byte", "evaluate_batches", "lr_multiplier", "make_scheduler", "objective_class", "parameter_groups",
     "token_cross_entropy",
 ]

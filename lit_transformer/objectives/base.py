@@ -25,12 +25,17 @@ smoothing) summed over tokens and divided by the token count over all batches an
 
 The non-finite guard costs one host-device sync per step (`skip_nonfinite=False` removes it).
 
+Every checkpoint records the objective's registered name and its model config under fixed
+keys (checkpointing.OBJECTIVE_KEY, MODEL_CONFIG_KEY), so loading never guesses. How a recipe
+builds an objective, how a checkpoint rebuilds it and what the final model directory holds
+are classmethods here that a subclass overrides where it differs (`from_recipe`,
+`from_hparams`, `final_model`, `final_head`, `from_final`).
+
 Shape legend: B batch, T length.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, TypedDict, Unpack
@@ -38,13 +43,14 @@ from typing import Any, TypedDict, Unpack
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from ..checkpointing import MODEL_CONFIG_KEY, OBJECTIVE_KEY
+from ..distributed import prepare_blocks, total_norm
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
-from ..model.transformer import Block
+from ..schema import OptimConfig, RunConfig
 from .metrics import bits_per_byte, peak_flops_for
-from .optim import OptimConfig, build_optimizer, make_scheduler, parameter_groups
+from .optim import build_optimizer, make_scheduler, parameter_groups
 
 
 def as_model_config(value: TransformerConfig | dict) -> TransformerConfig:
@@ -124,6 +130,51 @@ class ObjectiveBase(L.LightningModule):
         self._window_start: float | None = None
         self._window: torch.Tensor | None = None  # (tokens, model FLOPs) since the window start
         self._window_step = 0
+
+    # ------------------------------------------------------------------ building and loading
+    objective_names: tuple[str, ...] = ()  # set by registry.implements
+
+    @property
+    def objective_name(self) -> str:
+        """The registered name this module trains (saved in every checkpoint and final model)."""
+        return self.objective_names[0]
+
+    @staticmethod
+    def recipe_options(cfg: RunConfig) -> dict[str, Any]:
+        """The constructor arguments every objective takes from a recipe."""
+        return dict(optim=cfg.optim, max_steps=cfg.trainer.max_steps, compile=cfg.trainer.compile,
+                    activation_checkpointing=cfg.trainer.activation_checkpointing)
+
+    @classmethod
+    def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
+        """The module a recipe trains: `model` is a config (from scratch) or a LanguageModel
+        (fine-tuning, evaluation); `data` the TextDataModule (bytes_per_token, labels,
+        tokenizer and special tokens). This default serves the language models."""
+        return cls(model, bytes_per_token=data.bytes_per_token, **cls.recipe_options(cfg))
+
+    @classmethod
+    def from_hparams(cls, hparams: dict[str, Any], **overrides: Any):
+        """Rebuild from saved hyperparameters (a checkpoint's, or a module's own)."""
+        return cls(**{**hparams, **overrides})
+
+    def final_model(self) -> LanguageModel:
+        """The language model a finished run saves as config.json + model.safetensors."""
+        return self.model
+
+    def final_head(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """(description, weights) of a task head saved beside the final model, or None."""
+        return None
+
+    @classmethod
+    def from_final(cls, name: str, cfg: RunConfig, lm: LanguageModel, data: Any,
+                   head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None):
+        """The module around a finished run's saved model (and head), for evaluation."""
+        return cls.from_recipe(name, cfg, lm, data)
+
+    def evaluation_batches(self, batches: Any, data_labels: list | None, model_labels: list | None) -> Any:
+        """The batches `evaluate` feeds this module, given the label names the evaluation data
+        holds and those the model was trained on (classifiers map one onto the other)."""
+        return batches
 
     # ------------------------------------------------------------------ training
     def token_normalizer(self, count: torch.Tensor) -> torch.Tensor:
@@ -275,49 +326,15 @@ class ObjectiveBase(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
-        """Per Block, in torchtitan's order: activation checkpointing, then torch.compile, then
-        FSDP2 (under Lightning's ModelParallelStrategy) shards every Block and each top-level
-        module with parameters (its root group gathers embeddings, norms and heads; tied
-        weights stay inside one group). Sharding needs a device mesh; the first two do not, so
-        a plain loop may call this too. Calling it again changes nothing."""
-        blocks = [module for module in self.modules() if isinstance(module, Block)]
-        if self.activation_checkpointing:
-            for block in blocks:
-                checkpoint_block(block)
-        if self.compile_blocks:
-            # Per block rather than the whole model: the stack's mask and position bookkeeping
-            # (data-dependent, e.g. dropping an all-ones mask for SDPA's fused path) and the MLM
-            # head's masked positions stay eager; identical blocks share one compiled graph.
-            for block in blocks:
-                if getattr(block, "_compiled_call_impl", None) is None:
-                    block.compile()
-        mesh = self.device_mesh
-        if mesh is None:
-            return
-        try:
-            from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
-
-        if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
-            raise ValueError("tensor parallelism is not implemented: use ModelParallelStrategy(tensor_parallel_size=1)")
-        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-        for module in self.modules():
-            if isinstance(module, Block) and not isinstance(module, FSDPModule):
-                fully_shard(module, mesh=dp_mesh)
-        for child in self.children():
-            if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-                fully_shard(child, mesh=dp_mesh)
-            if isinstance(child, LanguageModel):
-                # MaskedLM calls logits_at, not forward: gather the root unit's shards there too
-                register_fsdp_forward_method(child, "logits_at")
-        from ..training import materialize  # here: training imports the recipe schema, which imports objectives
-
-        kind = dp_mesh.device_type
-        materialize(self, torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind))
+        """Activation checkpointing and compile per Block, then FSDP2 sharding under Lightning's
+        ModelParallelStrategy (distributed.prepare_blocks); calling it again changes nothing."""
+        prepare_blocks(self, activation_checkpointing=self.activation_checkpointing, compile=self.compile_blocks,
+                       mesh=self.device_mesh)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps
+        checkpoint[OBJECTIVE_KEY] = self.objective_name
+        checkpoint[MODEL_CONFIG_KEY] = self.model_config.to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
@@ -361,72 +378,3 @@ class ObjectiveBase(L.LightningModule):
         if self.device.type != "cuda":
             return None
         return peak_flops_for(torch.cuda.get_device_name(self.device), str(self.trainer.precision))
-
-
-@contextlib.contextmanager
-def gathered_parameters(module: nn.Module):
-    """Every FSDP2 unit inside `module` unsharded on this rank for the duration; nothing happens
-    without FSDP2. Every rank must enter (the gather is collective); inside, the model runs
-    without collectives. For work that calls parts of the model directly or a rank-dependent
-    number of times (generation, BLEU decoding), which FSDP2's gather-in-forward-hooks would
-    leave with sharded weights or deadlock on. Costs the full model's memory on every rank
-    while inside. Each unit's reshard-after-forward setting is restored on the way out (the
-    root unit's is automatically off: restoring it through the public setter would turn it on)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule
-    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    saved = []
-    for unit in units:
-        state = unit._get_fsdp_state()
-        saved.append((state, state._auto_reshard_after_forward,
-                      [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        for unit in units:
-            unit.unshard()
-        yield
-    finally:
-        for unit, (state, auto, infos) in zip(units, saved):
-            unit.reshard()
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
-                group.post_forward_mesh_info = info
-        for unit, (state, _, _) in zip(units, saved):
-            if state._is_root:
-                # Forward calls made inside (on rank 0 only, for sample generation) were recorded
-                # in the order FSDP2 prefetches from in the next backward; left there, the ranks
-                # would prefetch different units and deadlock.
-                unit.reset_iter_state()
-
-
-class CheckpointedBlock(Block):
-    """A Block that keeps only its inputs and recomputes the rest in backward
-    (torch.utils.checkpoint, non-reentrant: dropout masks repeat, keyword arguments pass)."""
-
-    def forward(self, *args, **kwargs):
-        if not torch.is_grad_enabled():  # evaluation and generation: nothing to save
-            return super().forward(*args, **kwargs)
-        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_block(block: Block) -> None:
-    """Turn on activation checkpointing for one Block by swapping its class for
-    CheckpointedBlock (as FSDP2's fully_shard swaps classes): the module keeps its identity,
-    parameter names and state dict, so checkpoints load with or without it."""
-    if isinstance(block, CheckpointedBlock):
-        return
-    if type(block) is not Block:
-        raise TypeError(f"activation checkpointing wraps Block modules, not {type(block).__name__}")
-    block.__class__ = CheckpointedBlock
-
-
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients together (sharded DTensors included: a global norm)."""
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2: reduce the shards
-    return full_tensor() if full_tensor is not None else norm

@@ -12,12 +12,14 @@ import torch
 
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
+from ..registry import implements
+from ..schema import OptimConfig
 from .base import ObjectiveBase, ObjectiveOptions, as_language_model
 from .fused_loss import linear_cross_entropy
 from .metrics import TokenAverage, token_cross_entropy
-from .optim import OptimConfig
 
 
+@implements("clm")
 class CausalLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, bytes_per_token: float | None = None,

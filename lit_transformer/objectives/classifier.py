@@ -12,7 +12,7 @@ Shape legend: B batch, T length, C model width, N labels (outputs).
 
 from __future__ import annotations
 
-from typing import Literal, Unpack
+from typing import Any, Literal, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -21,19 +21,23 @@ from torchmetrics.classification import (
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
 
+from ..errors import RunError
 from ..model.config import TransformerConfig
 from ..model.heads import ClassificationHead
 from ..model.init import init_weights
+from ..model.language_model import LanguageModel
 from ..model.transformer import Transformer
+from ..registry import implements
+from ..schema import OptimConfig, RunConfig
 from .base import ObjectiveBase, ObjectiveOptions, as_model_config
 from .metrics import TokenAverage
-from .optim import OptimConfig
 
 Problem = Literal["single_label", "multi_label", "regression"]
 Pooling = Literal["first", "mean", "last"]
 DEFAULT_POOLING = {"encoder": "first", "decoder": "last", "encoder_decoder": "mean"}
 
 
+@implements("classify")
 class SequenceClassifier(ObjectiveBase):
     def __init__(self, model_config: TransformerConfig | dict | Transformer, num_labels: int,
                  problem: Problem = "single_label", pooling: Pooling | None = None,
@@ -91,6 +95,65 @@ class SequenceClassifier(ObjectiveBase):
         checkpoint or `load_pretrained(...)`. The module is used (not copied); an
         encoder-decoder's decoder is dropped from it."""
         return cls(transformer, num_labels, problem, **kwargs)
+
+    @classmethod
+    def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
+        """A head for the training data's labels on a fresh backbone (a config) or on a
+        pretrained LanguageModel's Transformer."""
+        if data.num_labels is None or (cfg.data.task == "single_label" and data.num_labels < 2):
+            raise RunError(f"classification needs at least two labels; the training data has {data.label_names}")
+        backbone = model.transformer if isinstance(model, LanguageModel) else model
+        return cls(backbone, data.num_labels, cfg.data.task, pooling=cfg.finetune.pooling,
+                   classifier_dropout=cfg.finetune.head_dropout, backbone_lr_ratio=cfg.finetune.backbone_lr_ratio,
+                   **cls.recipe_options(cfg))
+
+    def final_model(self) -> LanguageModel:
+        """The backbone as a LanguageModel (an encoder-decoder's encoder as an encoder), so that
+        load_pretrained, finetune and export read it like a pretraining run; its LM head is the
+        tied embedding, or untrained when the config unties it."""
+        cfg = self.model_config
+        if cfg.arch == "encoder_decoder":
+            cfg = cfg.replace(arch="encoder", n_decoder_layers=None)
+        lm = init_weights(LanguageModel(cfg), cfg)
+        lm.transformer.load_state_dict(self.backbone.state_dict())
+        return lm
+
+    def final_head(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        spec = {key: self.hparams[key] for key in ("num_labels", "problem", "pooling", "hidden_layer",
+                                                    "classifier_dropout")}
+        return spec, {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+
+    @classmethod
+    def from_final(cls, name: str, cfg: RunConfig, lm: LanguageModel, data: Any,
+                   head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None):
+        if head is None:
+            raise RunError("a classification model needs its head; the model directory holds none")
+        spec, weights = head
+        module = cls.from_backbone(lm.transformer, spec["num_labels"], spec["problem"], pooling=spec["pooling"],
+                                   hidden_layer=spec["hidden_layer"], classifier_dropout=spec["classifier_dropout"],
+                                   optim=cfg.optim)
+        module.head.load_state_dict(weights)
+        return module
+
+    def evaluation_batches(self, batches: Any, data_labels: list | None, model_labels: list | None) -> Any:
+        """Map the evaluation file's label indices to the model's (the data module numbers the
+        labels it finds in the file, which may be fewer or in another order than in training)."""
+        if self.problem == "regression" or data_labels is None or model_labels is None or data_labels == model_labels:
+            yield from batches
+            return
+        unknown = [name for name in data_labels if name not in model_labels]
+        if unknown:
+            raise RunError(f"labels {unknown} are not among the model's labels {model_labels}")
+        index = torch.tensor([model_labels.index(name) for name in data_labels])
+        for batch in batches:
+            labels = batch["labels"]
+            if self.problem == "single_label":
+                batch["labels"] = index[labels]
+            else:  # multi-hot (B, N_data) -> (B, N_model)
+                out = torch.zeros(labels.shape[0], len(model_labels), dtype=labels.dtype)
+                out[:, index] = labels
+                batch["labels"] = out
+            yield batch
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:

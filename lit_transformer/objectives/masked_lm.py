@@ -15,11 +15,13 @@ import torch
 
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
+from ..registry import implements
+from ..schema import OptimConfig
 from .base import ObjectiveBase, ObjectiveOptions, as_language_model
 from .metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
-from .optim import OptimConfig
 
 
+@implements("mlm")
 class MaskedLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, bytes_per_token: float | None = None,

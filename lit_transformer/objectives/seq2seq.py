@@ -16,16 +16,19 @@ from typing import Any, Callable, Literal, Unpack
 
 import torch
 
+from ..distributed import gathered_parameters
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
-from .base import ObjectiveBase, ObjectiveOptions, as_language_model, gathered_parameters
+from ..registry import implements
+from ..schema import OptimConfig, RunConfig
+from .base import ObjectiveBase, ObjectiveOptions, as_language_model
 from .fused_loss import linear_cross_entropy
 from .metrics import CorpusBLEU, IGNORE_INDEX, TokenAverage, token_cross_entropy
-from .optim import OptimConfig
 
 Task = Literal["span", "seq2seq"]
 
 
+@implements("span", "seq2seq")
 class Seq2SeqLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, task: Task = "seq2seq", bytes_per_token: float | None = None,
@@ -61,6 +64,28 @@ class Seq2SeqLM(ObjectiveBase):
         self.eval_metrics["token_accuracy"] = TokenAverage()
         if bleu:
             self.eval_metrics["bleu"] = CorpusBLEU()
+
+    @property
+    def objective_name(self) -> str:
+        return self.task
+
+    @classmethod
+    def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
+        """`name` is the task; seq2seq decodes objective.bleu_batches validation batches for BLEU."""
+        bleu: dict[str, Any] = {}
+        if name == "seq2seq" and cfg.objective.bleu:
+            tokenizer, special = data.tokenizer, data.special_tokens
+            bleu = dict(bleu=True, detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                        bleu_max_batches=cfg.objective.bleu_batches,
+                        generate_kwargs=dict(max_new_tokens=cfg.data.max_target_length, eos_token_id=special.eos_id,
+                                             pad_token_id=special.pad_id or 0,
+                                             decoder_start_token_id=special.decoder_start_id))
+        return cls(model, task=name, bytes_per_token=data.bytes_per_token, **bleu, **cls.recipe_options(cfg))
+
+    @classmethod
+    def from_hparams(cls, hparams: dict[str, Any], **overrides: Any):
+        # BLEU needs a detokenize function, which hyperparameters cannot hold: off unless given
+        return cls(**{**hparams, "bleu": False, **overrides})
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, decoder_input_ids: torch.Tensor,
                 decoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""Prompts in and text out, the way each objective's model saw its inputs in training
+(registry.PromptStyle): shared by `generate` and the sample generations logged during
+validation.
+
+Shape legend: B prompts, T prompt length, G generated length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .data.collate import pad
+from .model.generate import generate
+from .registry import PromptStyle
+
+
+def encode_prompt(text: str, tokenizer, special, style: PromptStyle) -> list[int]:
+    """A decoder reads documents that follow a separator; an encoder reads a source ending in
+    eos; a span model fills the sentinels in its input (one is appended when the prompt has
+    none)."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if style == "continue":
+        return ([special.separator_id] if special.separator_id is not None else []) + ids
+    end = special.eos_id if special.eos_id is not None else special.sep_id
+    if style == "fill_spans" and not set(ids) & set(special.sentinel_ids) and special.sentinel_ids:
+        ids = ids + [special.sentinel_ids[0]]
+    return ids + ([end] if end is not None else [])
+
+
+def decode_new(tokenizer, special, style: PromptStyle, row: list[int]) -> str:
+    """Text of generated ids up to eos; a span model's sentinels are kept to show the spans."""
+    stop = {special.eos_id} if special.eos_id is not None else set()
+    if style == "continue" and special.separator_id is not None:
+        stop.add(special.separator_id)
+    out = []
+    for token in row:
+        if token in stop:
+            break
+        if token != special.pad_id:
+            out.append(token)
+    return tokenizer.decode(out, skip_special_tokens=style != "fill_spans")
+
+
+def show_prompt(tokenizer, style: PromptStyle, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=style != "fill_spans")
+
+
+def complete(model, tokenizer, special, style: PromptStyle, prompts: list[list[int]], *, max_new_tokens: int,
+             generator: torch.Generator | None = None, **options) -> list[str]:
+    """Generate from token-id prompts; returns the new text of each."""
+    device = next(model.parameters()).device
+    ids = pad(prompts, special.pad_id or 0).to(device)  # (B, T)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        mask[i, : len(p)] = 1
+    continues = style == "continue"
+    limit = model.config.max_seq_len - (ids.shape[1] if continues else 0)
+    out = generate(model, ids, mask, max_new_tokens=max(1, min(max_new_tokens, limit)),
+                   eos_token_id=special.separator_id if continues else special.eos_id,
+                   pad_token_id=special.pad_id or 0,
+                   decoder_start_token_id=None if continues else special.decoder_start_id,
+                   generator=generator, **options)
+    new = out[:, ids.shape[1]:] if continues else out[:, 1:]  # (B, G): after the prompt, or the start token
+    return [decode_new(tokenizer, special, style, row) for row in new.tolist()]

@@ -1,0 +1,91 @@
+"""The registry of training objectives: each objective's name, what it needs from the model
+and the data, and (once `lit_transformer.objectives` is imported) the LightningModule class
+that trains it.
+
+The specs are plain data at the bottom of the package, so that reading a recipe can check
+`objective.name` against the model without importing Lightning. Each class registers itself
+with `@implements(name)` in its own module under objectives/; code that needs the class (the
+runner, model loading) imports `lit_transformer.objectives`, which imports every built-in
+objective, and asks `objective_class(name)`. Adding an objective: a spec here, a module
+under objectives/ and its import in objectives/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional, TypeVar
+
+from .data.errors import closest
+from .errors import RecipeError
+
+T = TypeVar("T", bound=type)
+# How `generate` and sample generations turn a prompt into model input: a decoder continues the
+# text after a document separator; an encoder-decoder transforms a source, or fills the
+# sentinel spans of a corrupted text.
+PromptStyle = Literal["continue", "transform", "fill_spans"]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    name: str
+    archs: tuple[str, ...]  # the model.arch values it trains
+    data: str  # the data pipeline's kind (collator, token cache), one of data.config.OBJECTIVES
+    length_keys: tuple[str, ...]  # data keys that bound the sequences the model reads
+    prompt: Optional[PromptStyle]  # None: the objective does not write text
+    lm_head: bool  # trains the language-model head (`export` writes it; classifiers have their own)
+    precision: str  # trainer.precision when the recipe leaves it null
+
+    @property
+    def generative(self) -> bool:
+        """Writes text: `generate`, and sample generations during validation."""
+        return self.prompt is not None
+
+
+SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
+    ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="32-true"),
+    ObjectiveSpec("clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True, precision="32-true"),
+    # T5 activations overflow float16's range: Raffel et al. 2020 trained in bfloat16, and fp16
+    # T5 gives inf/NaN, so span corruption defaults to bf16 autocast
+    ObjectiveSpec("span", ("encoder_decoder",), "span", ("block_size",), prompt="fill_spans", lm_head=True,
+                  precision="bf16-mixed"),
+    ObjectiveSpec("seq2seq", ("encoder_decoder",), "seq2seq", ("max_length", "max_target_length"),
+                  prompt="transform", lm_head=True, precision="32-true"),
+    ObjectiveSpec("classify", ("encoder", "decoder", "encoder_decoder"), "classify", ("max_length",),
+                  prompt=None, lm_head=False, precision="32-true"),
+)}
+
+# How a model directory that records no objective (a transformers checkpoint) is read.
+DEFAULT_FOR_ARCH = {"encoder": "mlm", "decoder": "clm", "encoder_decoder": "span"}
+
+_CLASSES: dict[str, type] = {}
+
+
+def spec(name: str) -> ObjectiveSpec:
+    """The spec of `name`; a RecipeError naming the closest objective when there is none."""
+    if name not in SPECS:
+        raise RecipeError(f"objective.name={name!r} is not one of {list(SPECS)}{closest(name, SPECS)}")
+    return SPECS[name]
+
+
+def implements(*names: str) -> Callable[[T], T]:
+    """Class decorator: register the LightningModule that trains the objectives `names`."""
+    for name in names:
+        spec(name)
+
+    def register(cls: T) -> T:
+        for name in names:
+            if _CLASSES.get(name, cls) is not cls:
+                raise ValueError(f"objective {name!r} is already implemented by {_CLASSES[name].__name__}")
+            _CLASSES[name] = cls
+        cls.objective_names = names
+        return cls
+
+    return register
+
+
+def objective_class(name: str) -> type:
+    """The registered class of `name` (import lit_transformer.objectives first)."""
+    spec(name)
+    if name not in _CLASSES:
+        raise LookupError(f"no class implements objective {name!r}: import lit_transformer.objectives first")
+    return _CLASSES[name]

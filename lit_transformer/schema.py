@@ -1,0 +1,272 @@
+"""The run schema: one typed dataclass per recipe section.
+
+Each section checks its own values in `__post_init__`, with a message naming the full key:
+that is the only place each range check lives (the model's in TransformerConfig, the data's
+in DataConfig and TokenizerConfig, the rest here). `config.load_recipe` merges YAML onto
+`RunConfig` with OmegaConf and returns these dataclasses. Nothing here imports torch or
+Lightning.
+
+The model section is generated from `TransformerConfig`'s fields (each an optional override of
+the preset), so a new core field is a new recipe key without touching this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from omegaconf import MISSING
+
+from .data.config import DataConfig, TokenizerConfig
+from .errors import RecipeError
+from .model.config import TransformerConfig, closest
+
+Strategy = Literal["auto", "ddp", "fsdp"]
+Accelerator = Literal["auto", "cpu", "gpu", "cuda", "mps"]
+Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+WandbMode = Literal["offline", "online", "disabled"]
+Pooling = Literal["first", "mean", "last"]
+Schedule = Literal["constant", "linear", "cosine", "inverse_sqrt"]
+SCHEDULES = typing.get_args(Schedule)
+
+
+def need(ok: bool, key: str, value: Any, what: str) -> None:
+    """A RecipeError `key=value what` unless ok."""
+    if not ok:
+        raise RecipeError(f"{key}={value!r} {what}")
+
+
+def need_positive_int(key: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    need(ok, key, value, "must be a positive integer" + (" or null" if optional else ""))
+
+
+# ----------------------------------------------------------------------------- sections
+
+_MODEL_HINTS = typing.get_type_hints(TransformerConfig)
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection",
+    [("preset", Optional[str], field(default=None))]
+    + [(f.name, Optional[_MODEL_HINTS[f.name]], field(default=None)) for f in dataclasses.fields(TransformerConfig)],
+)
+ModelSection.__doc__ = (
+    "`preset` (a name from lit_transformer.PRESETS) plus any TransformerConfig field as an override; "
+    "None keeps the preset's value. vocab_size defaults to the tokenizer's."
+)
+
+
+@dataclass
+class ObjectiveConfig:
+    name: str = MISSING  # a registered objective: mlm, clm, span, seq2seq, classify
+    bleu: bool = True  # seq2seq: decode some validation batches and report corpus BLEU (sacrebleu)
+    bleu_batches: int = 2  # validation batches decoded for BLEU
+
+    def __post_init__(self):
+        need_positive_int("objective.bleu_batches", self.bleu_batches)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # peak learning rate; for inverse_sqrt, a multiplier on the 2017 paper's formula
+    weight_decay: float = 0.1  # AdamW decay on matrices only (not biases, norms, embeddings' ... see param_groups)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: Schedule = "cosine"
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine/linear decay floor as a fraction of lr
+    label_smoothing: float = 0.0  # the 2017 paper used 0.1
+
+    def __post_init__(self):
+        need(self.schedule in SCHEDULES, "optim.schedule", self.schedule,
+             f"is not one of {list(SCHEDULES)}{closest(str(self.schedule), SCHEDULES)}")
+        need(self.lr > 0, "optim.lr", self.lr, "must be positive")
+        need(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must not be negative")
+        for key in ("beta1", "beta2"):
+            need(0 <= getattr(self, key) < 1, f"optim.{key}", getattr(self, key), "is outside [0, 1)")
+        need(self.eps > 0, "optim.eps", self.eps, "must be positive")
+        need(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must not be negative")
+        need(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "is outside [0, 1]")
+        need(0 <= self.label_smoothing < 1, "optim.label_smoothing", self.label_smoothing, "is outside [0, 1)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "OptimConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise RecipeError(f"unknown key optim.{key}{closest(key, names)}")
+        return cls(**values)
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000  # optimizer steps
+    devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
+    num_nodes: int = 1
+    accelerator: Accelerator = "auto"
+    # ddp: a replica per device; fsdp: FSDP2 via ModelParallelStrategy (sharded weights, gradients
+    # and AdamW state, meta-device init, sharded checkpoints); both also run on CPU with gloo
+    strategy: Strategy = "auto"
+    precision: Optional[Precision] = None  # None: the objective's default (registry.py)
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    val_check_interval: int = 200  # optimizer steps between validations
+    limit_val_batches: Optional[int] = None  # None: the whole validation split
+    log_every_n_steps: int = 10
+    checkpoint_every_n_steps: int = 500
+    seed: int = 0
+    deterministic: bool = False
+    # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
+    # second thread and lose several times over when other processes share the cores.
+    num_threads: Optional[int] = None
+    compile: bool = False  # torch.compile each Transformer block (inductor; needs a C++ compiler on CPU)
+    activation_checkpointing: bool = False  # recompute each block in backward: memory for ~1 more forward
+    # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
+    nonfinite_patience: int = 10
+
+    def __post_init__(self):
+        for key in ("max_steps", "accumulate_grad_batches", "val_check_interval", "log_every_n_steps",
+                    "checkpoint_every_n_steps", "num_nodes", "nonfinite_patience"):
+            need_positive_int(f"trainer.{key}", getattr(self, key))
+        need(self.devices == "auto" or (isinstance(self.devices, int) and not isinstance(self.devices, bool)
+                                        and self.devices > 0),
+             "trainer.devices", self.devices, "must be a positive integer or 'auto'")
+        need(self.gradient_clip_val is None or self.gradient_clip_val > 0, "trainer.gradient_clip_val",
+             self.gradient_clip_val, "must be positive or null")
+        need_positive_int("trainer.num_threads", self.num_threads, optional=True)
+        need_positive_int("trainer.limit_val_batches", self.limit_val_batches, optional=True)
+
+
+@dataclass
+class WandbConfig:
+    mode: WandbMode = "offline"  # online falls back to offline without an API key
+    project: str = "lit-transformer"
+    name: Optional[str] = None  # None: the run directory's name
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv: bool = True
+
+
+@dataclass
+class RunSection:
+    dir: Optional[str] = None  # None: runs/<recipe file name without .yaml>
+    overwrite: bool = False
+
+
+@dataclass
+class FinetuneConfig:
+    # `from` in YAML and on the command line (a Python keyword, hence the trailing underscore here):
+    # a run directory, a Lightning checkpoint, a transformers directory, or `minilm`.
+    from_: Optional[str] = None
+    pooling: Optional[Pooling] = None  # None: first for encoders, last for decoders, mean for encoder-decoders
+    backbone_lr_ratio: float = 1.0  # backbone lr = optim.lr * ratio; the head gets optim.lr
+    head_dropout: float = 0.1
+
+    def __post_init__(self):
+        need(self.backbone_lr_ratio > 0, "finetune.backbone_lr_ratio", self.backbone_lr_ratio, "must be positive")
+        need(0 <= self.head_dropout < 1, "finetune.head_dropout", self.head_dropout, "is outside [0, 1)")
+
+
+@dataclass
+class GenerationConfig:
+    """Sample generations logged as a W&B table at every validation (clm, span, seq2seq)."""
+
+    enabled: bool = True
+    prompts: list[str] = field(default_factory=list)  # empty: the first few validation texts
+    num_prompts: int = 3
+    prompt_tokens: int = 16  # prompts taken from validation data are cut to this many tokens
+    max_new_tokens: int = 24
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        need(self.temperature > 0, "generation.temperature", self.temperature, "must be positive")
+        need_positive_int("generation.top_k", self.top_k, optional=True)
+        need(self.top_p is None or 0 < self.top_p <= 1, "generation.top_p", self.top_p, "is outside (0, 1]")
+        need_positive_int("generation.max_new_tokens", self.max_new_tokens)
+        need_positive_int("generation.prompt_tokens", self.prompt_tokens)
+        need(self.num_prompts >= 0, "generation.num_prompts", self.num_prompts, "must not be negative")
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)  # type: ignore[valid-type]
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run: RunSection = field(default_factory=RunSection)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    resume: Optional[str] = None  # null | auto | path to a Lightning checkpoint
+
+
+# ----------------------------------------------------------------------------- key names
+# `finetune.from` is spelled `from_` in the dataclass; these translate at the YAML boundary.
+
+ALIASES = {"from": "from_"}
+
+
+def to_internal(key: str) -> str:
+    return ".".join(ALIASES.get(part, part) for part in key.split("."))
+
+
+def to_public(key: str) -> str:
+    back = {v: k for k, v in ALIASES.items()}
+    return ".".join(back.get(part, part) for part in key.split("."))
+
+
+def rename(tree: Any, mapping: dict[str, str]) -> Any:
+    if isinstance(tree, dict):
+        return {mapping.get(k, k) if isinstance(k, str) else k: rename(v, mapping) for k, v in tree.items()}
+    return tree
+
+
+def field_type(path: list[str]) -> Any:
+    """The type hint at a dotted path of RunConfig (internal names), or None off the schema."""
+    cls: Any = RunConfig
+    for part in path:
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return None
+        cls = hints[part]
+    return cls
+
+
+def is_list_type(hint: Any) -> bool:
+    """list[...] or Optional[list[...]]."""
+    if typing.get_origin(hint) is list:
+        return True
+    return any(typing.get_origin(arg) is list for arg in typing.get_args(hint))
+
+
+def all_keys(cls: Any = RunConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the schema as a public dotted path (`trainer.max_steps`, `finetune.from`)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        path = f"{prefix}{to_public(f.name)}"
+        keys.extend(all_keys(hint, path + ".") if dataclasses.is_dataclass(hint) else [path])
+    return keys
+
+
+def sections() -> list[str]:
+    return [to_public(f.name) for f in dataclasses.fields(RunConfig)]
