@@ -123,7 +123,11 @@ def finish_wandb(run_dir: Path | None = None) -> None:
     if id_file is not None and id_file.is_file() and is_main_process():
         from .wandb_offline import fold_segments
 
-        fold_segments(run_dir / WANDB_DIR, id_file.read_text().strip())
+        try:
+            fold_segments(run_dir / WANDB_DIR, id_file.read_text().strip())
+        except Exception as error:  # a damaged log of a killed segment must not fail a finished run
+            print(f"W&B: could not join the offline folders of {run_dir / WANDB_DIR} ({error}); "
+                  "`wandb sync` each folder")
 
 
 # ----------------------------------------------------------------------------- callbacks

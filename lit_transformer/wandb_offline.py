@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Iterator
@@ -84,13 +85,17 @@ def segments(wandb_dir: Path, run_id: str) -> list[Path]:
     return sorted(p for p in wandb_dir.glob(f"offline-run-*-{run_id}") if (p / f"run-{run_id}.wandb").is_file())
 
 
-def fold_segments(wandb_dir: Path, run_id: str) -> Path | None:
-    """Join every offline folder of `run_id` into the oldest; returns it (None: no folder)."""
+def fold_segments(wandb_dir: Path, run_id: str, wait_s: float = 30.0) -> Path | None:
+    """Join every offline folder of `run_id` into the oldest; returns it (None: nothing done).
+    wandb's service writes a segment's log after `wandb.finish` returns, so the newest one is
+    folded once its `exit` record is there (waiting up to `wait_s`)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     found = segments(wandb_dir, run_id)
     if len(found) < 2:
         return found[0] if found else None
+    if not _ended(pb, found[-1] / f"run-{run_id}.wandb", wait_s):
+        return None  # wandb's service is still writing the newest segment: fold after the next one
     first, later = found[0], found[1:]
     header, merged = read_records(first / f"run-{run_id}.wandb")
     for folder in later:
@@ -118,6 +123,19 @@ def fold_segments(wandb_dir: Path, run_id: str) -> Path | None:
             link.unlink()
             link.symlink_to(first.name if link.name == "latest-run" else f"{first.name}/logs/{link.name}")
     return first
+
+
+def _ended(pb, log: Path, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if any(_kind(pb, data) == "exit" for data in read_records(log)[1]):
+                return True
+        except Exception:  # not written yet, or cut mid-record (protobuf's DecodeError)
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _kind(pb, data: bytes) -> str | None:

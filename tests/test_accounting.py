@@ -207,7 +207,7 @@ def test_info_for_recipe_with_preset_and_overrides(tmp_path):
     path = tmp_path / "gpt-tiny.yaml"
     path.write_text("objective:\n  name: clm\nmodel:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n"
                     "  n_heads: 3\n  max_seq_len: 77\ntrainer:\n  max_steps: 5\n")
-    d = info(str(path), ["tokenizer.vocab_size=5000"])
+    d = info(str(path), ["tokenizer.vocab_size=5000", "data.block_size=64"])
     cfg = preset("gpt2-small", n_layers=3, d_model=96, n_heads=3, max_seq_len=77, vocab_size=5000)
     assert d["name"] == "gpt-tiny" and d["preset"] == "gpt2-small"
     assert d["parameters"] == count_parameters(cfg) == built_parameters(cfg)
