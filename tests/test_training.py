@@ -124,25 +124,33 @@ def test_resume_path_and_missing_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- W&B offline files
 
-def wandb_records(path: str):
-    """Records of a W&B transaction log (.wandb): LevelDB-style 32 KiB blocks of chunks with a
-    7-byte header (crc32c, length, type: 1 full, 2 first, 3 middle, 4 last) after the file's
-    7-byte ':W&B' header. wandb 0.31 ships no Python reader for it (its core is in Go)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
+def chunks(path):
+    """(checksum, type, data) of each chunk of a W&B transaction log (.wandb): LevelDB-style
+    32 KiB blocks of chunks with a 7-byte header (CRC-32 of the type byte and the data, length,
+    type: 1 full, 2 first, 3 middle, 4 last) after the file's 7-byte ':W&B' header. Written from
+    the format, apart from lit_transformer.wandb_offline, which it checks."""
     data = Path(path).read_bytes()
     assert data[:4] == b":W&B"
-    pos, buffer = 7, b""
+    pos = 7
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
         if left < 7:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         if kind == 0 and length == 0:  # zero padding at the end of a block
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        yield checksum, kind, data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+
+
+def wandb_records(path):
+    """The records of a transaction log (wandb 0.31 ships no Python reader: its core is in Go)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    buffer = b""
+    for _, kind, chunk in chunks(path):
         buffer = chunk if kind in (1, 2) else buffer + chunk
         if kind in (1, 4):
             record = pb.Record()
@@ -151,21 +159,8 @@ def wandb_records(path: str):
 
 
 def valid_checksums(path) -> bool:
-    """Every chunk's CRC-32 (of its type byte and data) matches, as wandb sync checks."""
-    data, pos = Path(path).read_bytes(), 7
-    while pos + 7 <= len(data):
-        left = 32768 - pos % 32768
-        if left < 7:
-            pos += left
-            continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        if zlib.crc32(data[pos + 7:pos + 7 + length], zlib.crc32(bytes([kind]))) != checksum:
-            return False
-        pos += 7 + length
-    return True
+    """Every chunk's CRC-32 matches, as wandb sync checks."""
+    return all(zlib.crc32(chunk, zlib.crc32(bytes([kind]))) == checksum for checksum, kind, chunk in chunks(path))
 
 
 def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):
