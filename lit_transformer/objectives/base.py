@@ -135,9 +135,10 @@ class ObjectiveBase(L.LightningModule):
     objective_names: tuple[str, ...] = ()  # set by registry.implements
 
     @property
-    def objective_name(self) -> str:
-        """The registered name this module trains (saved in every checkpoint and final model)."""
-        return self.objective_names[0]
+    def objective_name(self) -> str | None:
+        """The registered name this module trains (saved in every checkpoint and final model);
+        None for a subclass that is not registered (its checkpoints still save)."""
+        return self.objective_names[0] if self.objective_names else None
 
     @staticmethod
     def recipe_options(cfg: RunConfig) -> dict[str, Any]:
