@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_transformer.config import (
-    RecipeError, RunConfig, all_keys, load_recipe, model_config, save_config, to_dict,
+    RecipeError, RunConfig, load_recipe, model_config, save_config, to_dict,
 )
 from lit_transformer.model.config import TransformerConfig, preset
 from lit_transformer.model.language_model import LanguageModel
