@@ -8,11 +8,14 @@ D head dim, C model width, L layers, M cache capacity.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear_attention import LinearMask, LinearState, linear_attention
+from .masks import IntervalMask, masked_attention
 from .positions import apply_rope
 
 
@@ -138,6 +141,53 @@ class KVCache:
                       for kv in self.cross]
 
 
+class RollingKVCache(KVCache):
+    """The KV cache of a sliding-window decoder: M = window slots used as a ring, so memory stays
+    at w entries however long the output (Jiang et al. 2023, Mistral 7B, 2.1 "rolling buffer
+    cache"). Token i lives in slot i mod M; `slot_index` (M,) records which token each slot holds
+    (-1: empty), and the mask (masks.IntervalMask with key_index) reads it. A single new token
+    overwrites exactly the token that leaves its window, so a decoding step attends over the
+    ring itself; a longer chunk (the prompt) attends over ring + chunk, then keeps its last M."""
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, window: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__(n_layers, batch, kv_heads, head_dim, window, dtype, device)
+        self.slot_index = torch.full((window,), -1, dtype=torch.long, device=device)  # (M,)
+        self.capacity = sys.maxsize  # tokens it can take; the memory is `window` slots
+        self.window = window
+
+    def advance(self, new_mask: torch.Tensor, new_positions: torch.Tensor):
+        """Record T new tokens' padding mask and positions (B, T); return the key index (S,),
+        key mask (B, S) and key positions (B, S) the layers' attention will see, S = M or M + T."""
+        T, start, M = new_mask.shape[1], self.length, self.window
+        index = torch.arange(start, start + T, device=new_mask.device)  # (T,)
+        if T > 1:  # attend over ring + chunk (the ring's old entries first)
+            seen = (torch.cat((self.slot_index, index)), torch.cat((self.key_mask, new_mask), 1),
+                    torch.cat((self.positions, new_positions), 1))
+        keep = slice(max(0, T - M), T)  # the last M new tokens stay
+        slots = index[keep] % M
+        self.slot_index[slots] = index[keep]
+        self.key_mask[:, slots] = new_mask[:, keep]
+        self.positions[:, slots] = new_positions[:, keep]
+        if T > 1:
+            return seen
+        return self.slot_index.clone(), self.key_mask.clone(), self.positions.clone()
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (B, K, T, D) into the ring; return the keys and values to attend over,
+        in the order `advance` returned their indices."""
+        T, start, M = k.shape[2], self.length, self.window
+        slots = torch.arange(max(start, start + T - M), start + T, device=k.device) % M
+        if T > 1:
+            keys = torch.cat((self.keys[layer], k), dim=2)  # (B, K, M + T, D)
+            values = torch.cat((self.values[layer], v), dim=2)
+        self.keys[layer][:, :, slots] = k[:, :, T - len(slots):]
+        self.values[layer][:, :, slots] = v[:, :, T - len(slots):]
+        if T > 1:
+            return keys, values
+        return self.keys[layer], self.values[layer]  # (B, K, M, D)
+
+
 class Attention(nn.Module):
     """Multi-head attention with K <= H key/value heads (K = H: MHA, K = 1: MQA, else GQA)."""
 
@@ -176,13 +226,26 @@ class Attention(nn.Module):
             q, k, v = self._project_qkv(x)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            if cache is not None:
+            if isinstance(bias, LinearMask):  # recurrent state instead of a KV cache
+                state = cache if isinstance(cache, LinearState) else None
+                out = linear_attention(q, k, v, bias, state, layer)  # (B, H, T, D)
+                return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+            if isinstance(cache, RollingKVCache):
+                k, v = cache.update(layer, k, v)  # (B, K, S, D), S = keys the mask indexes
+            elif cache is not None:
                 start, end = cache.length, cache.length + T
                 cache.keys[layer, :, :, start:end] = k
                 cache.values[layer, :, :, start:end] = v
                 k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]  # (B, K, S, D)
         dropout = self.dropout if self.training else 0.0
-        out = attend(q, k, v, bias, is_causal=is_causal, scale=self.scale, dropout=dropout, impl=self.impl)
+        if isinstance(bias, IntervalMask):  # sliding window, global tokens, documents
+            if self.impl == "sdpa":
+                out = masked_attention(q, k, v, bias, scale=self.scale, dropout=dropout)
+            else:
+                out = attend(q, k, v, bias.dense_bias(torch.float32), is_causal=False, scale=self.scale,
+                             dropout=dropout, impl=self.impl)
+        else:
+            out = attend(q, k, v, bias, is_causal=is_causal, scale=self.scale, dropout=dropout, impl=self.impl)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "geglu_tanh"]
 LMHead = Literal["linear", "bert_mlm"]
 AttentionImpl = Literal["sdpa", "math"]
+AttentionKind = Literal["softmax", "linear"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 
@@ -66,6 +67,13 @@ class TransformerConfig:
     # sdpa: torch's fused kernels (flash / memory-efficient where available); math: the
     # explicit softmax(QK^T)V reference the tests compare against.
     attention_impl: AttentionImpl = "sdpa"
+    # Efficient attention (README "Efficient attention"). sliding_window w: a causal query sees
+    # itself and the w - 1 tokens before it (Mistral), a bidirectional one w tokens on each side
+    # (Longformer's local attention); generation keeps a rolling cache of w entries.
+    sliding_window: int | None = None
+    global_tokens: int = 0  # bidirectional stacks with a window: the first k tokens attend everywhere (Longformer)
+    # linear: phi(q) phi(k)^T with phi = elu + 1 (Katharopoulos et al. 2020), O(T) time and memory
+    attention_kind: AttentionKind = "softmax"
 
     def __post_init__(self):
         for name in _FIELD_TYPES:
@@ -98,8 +106,31 @@ class TransformerConfig:
             raise ConfigError(f"model.type_vocab_size={self.type_vocab_size} is negative")
         if self.norm_eps <= 0 or self.init_std <= 0 or self.rope_base <= 0:
             raise ConfigError("model.norm_eps, model.init_std and model.rope_base must be positive")
+        self._check_efficient_attention()
         if self.n_decoder_layers is not None and self.arch != "encoder_decoder":
             raise ConfigError(f"model.n_decoder_layers is only for arch=encoder_decoder, not {self.arch!r}")
+
+    def _check_efficient_attention(self) -> None:
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
+            raise ConfigError(f"model.global_tokens={self.global_tokens!r} must be a non-negative integer")
+        if self.global_tokens and self.arch == "decoder":
+            raise ConfigError("model.global_tokens is for bidirectional stacks (arch=encoder or encoder_decoder), "
+                              "not arch='decoder'")
+        if self.global_tokens and self.sliding_window is None:
+            raise ConfigError("model.global_tokens needs model.sliding_window (without a window every token "
+                              "already attends everywhere)")
+        if self.attention_kind == "linear":
+            if self.position in ("alibi", "t5_relative"):
+                raise ConfigError(f"model.attention_kind='linear' cannot add model.position={self.position!r}'s "
+                                  "score bias (there are no scores); use rope, learned, sinusoidal or none")
+            if self.sliding_window is not None:
+                raise ConfigError("model.sliding_window is for attention_kind='softmax'; linear attention "
+                                  "already costs O(T)")
+            if self.attention_dropout:
+                raise ConfigError("model.attention_dropout is for attention_kind='softmax'; linear attention "
+                                  "has no attention weights to drop")
 
     # Derived sizes: properties so that they can never disagree with the fields.
     @property
@@ -145,6 +176,7 @@ _FIELD_TYPES = {
     "activation": Activation,
     "lm_head": LMHead,
     "attention_impl": AttentionImpl,
+    "attention_kind": AttentionKind,
 }
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TransformerConfig))
 

@@ -11,9 +11,11 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention, KVCache, compute_dtype, masked_value
+from .attention import Attention, KVCache, RollingKVCache, compute_dtype, masked_value
 from .config import TransformerConfig
 from .layers import FeedForward, make_norm
+from .linear_attention import LinearMask, LinearState
+from .masks import document_positions, flex_block_mask, interval_mask
 from .positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
 
 
@@ -125,12 +127,20 @@ class Stack(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | LinearState | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T), attention_mask (B, T) with 1 for real tokens -> hidden (B, T, C)."""
+        """input_ids (B, T), attention_mask (B, T) with 1 for real tokens -> hidden (B, T, C).
+        document_ids (B, T): packed documents, each a contiguous run of one id; a token then
+        attends within its document only, and positions (unless given) restart at each one."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         max_position = None
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids are for training on packed rows, not for decoding with a cache")
+            if position_ids is None:
+                position_ids = document_positions(document_ids)  # (B, T)
         if position_ids is None:
             # expanded, not copied: stride 0 over the batch tells the position tables that
             # every row is the same
@@ -140,7 +150,10 @@ class Stack(nn.Module):
             raise ValueError(f"KV cache holds {cache.capacity} tokens; {past + T} requested")
         x = self.embed(input_ids, position_ids, token_type_ids, max_position=max_position)
         dtype = compute_dtype(x)
-        bias, is_causal, k_positions = self._self_bias(attention_mask, position_ids, cache, dtype)
+        if self._structured(document_ids, cache):
+            bias, is_causal = self._structured_bias(attention_mask, position_ids, document_ids, cache, dtype), False
+        else:
+            bias, is_causal, _ = self._self_bias(attention_mask, position_ids, cache, dtype)
         rope = None
         if self.cfg.position == "rope":
             rope = tuple(t.to(x.dtype) for t in rope_cos_sin(position_ids, self.cfg.dim_per_head, self.cfg.rope_base))
@@ -155,6 +168,48 @@ class Stack(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.final_dropout(x)
+
+    def _structured(self, document_ids, cache) -> bool:
+        """Whether self-attention needs more than padding, causality and a position bias: the
+        default path (`_self_bias`, SDPA's fused causal kernel) is untouched otherwise."""
+        cfg = self.cfg
+        return (document_ids is not None or cfg.sliding_window is not None or cfg.attention_kind == "linear"
+                or isinstance(cache, RollingKVCache))
+
+    def _structured_bias(self, attention_mask, q_positions, document_ids, cache, dtype):
+        """The self-attention mask for the efficient-attention options: a LinearMask, an
+        IntervalMask (masks.py), or, with a position bias (ALiBi, T5), a dense additive tensor."""
+        cfg, B, T = self.cfg, *q_positions.shape
+        device = q_positions.device
+        if cfg.attention_kind == "linear":
+            key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
+            return LinearMask(causal=self.causal, key_mask=key_mask)
+        past = cache.length if cache is not None else 0
+        q_index = torch.arange(past, past + T, device=device)  # (T,) the queries' key indices
+        new_mask = attention_mask.bool() if attention_mask is not None else None
+        key_index = None
+        if isinstance(cache, RollingKVCache):
+            new_mask = new_mask if new_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
+            key_index, key_mask, k_positions = cache.advance(new_mask, q_positions)  # (S,), (B, S), (B, S)
+        elif cache is not None:
+            _, _, k_positions = self._self_bias(attention_mask, q_positions, cache, dtype)  # records the mask
+            key_mask = cache.key_mask[:, :past + T]
+        else:
+            key_mask = None if _all_true(attention_mask, cache) else new_mask
+            k_positions = q_positions
+        n_keys = key_index.numel() if key_index is not None else past + T
+        g = 0 if self.causal else cfg.global_tokens
+        mask = interval_mask(q_index, n_keys, causal=self.causal, window=cfg.sliding_window, document_ids=document_ids,
+                             key_mask=key_mask, global_tokens=g, key_index=key_index)
+        if self.relative_bias is not None or cfg.position == "alibi":
+            if self.relative_bias is not None:
+                position_bias = self.relative_bias(q_positions, k_positions)  # (B, H, T, S)
+            else:
+                position_bias = alibi_bias(q_positions, k_positions, cfg.n_heads)
+            return mask.dense_bias(dtype) + position_bias.to(dtype)
+        if device.type == "cuda" and key_index is None and T >= 128 and _has_flex():
+            mask.block_mask = flex_block_mask(mask, B)  # used where the blocks run compiled (masks.py)
+        return mask
 
     def _self_bias(self, attention_mask, q_positions, cache, dtype):
         """One additive bias (B|1, H|1, T, S) for all layers, or None with `is_causal` so that
@@ -201,6 +256,14 @@ class Stack(nn.Module):
         return bias, False, k_positions
 
 
+def _has_flex() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+    except ImportError:
+        return False
+    return True
+
+
 def _all_true(mask: torch.Tensor | None, cache: KVCache | None) -> bool:
     """Whether a padding mask masks nothing (packed batches: the collators always send one), so
     that attention can take SDPA's fused path without a bias tensor, causal blocks skipped,
@@ -242,19 +305,20 @@ class Transformer(nn.Module):
         if cfg.arch == "encoder_decoder":
             self.decoder = Stack(cfg, cfg.decoder_layers, causal=True, cross=True, tokens=self.tokens)
 
-    def encode(self, input_ids, attention_mask=None, *, token_type_ids=None, position_ids=None):
+    def encode(self, input_ids, attention_mask=None, *, token_type_ids=None, position_ids=None, document_ids=None):
         if self.encoder is None:
             raise ValueError(f"a {self.config.arch} model has no encoder")
-        return self.encoder(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids)
+        return self.encoder(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                            document_ids=document_ids)
 
     def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None, position_ids=None,
-               token_type_ids=None, cache: KVCache | None = None):
+               token_type_ids=None, cache: KVCache | LinearState | None = None, document_ids=None):
         if self.decoder is None:
             raise ValueError(f"a {self.config.arch} model has no decoder")
         if self.config.arch == "encoder_decoder" and memory is None:
             raise ValueError("an encoder_decoder model's decoder needs the encoder output (memory)")
         return self.decoder(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
-                            memory=memory, memory_mask=memory_mask, cache=cache)
+                            memory=memory, memory_mask=memory_mask, cache=cache, document_ids=document_ids)
 
     def forward(
         self,
@@ -265,20 +329,35 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the last stack: (B, T, C); for encoder_decoder, (B, T_dec, C)."""
+        """Hidden states of the last stack: (B, T, C); for encoder_decoder, (B, T_dec, C).
+        document_ids (B, T): packed documents of an encoder or decoder (Stack.forward)."""
         arch = self.config.arch
         if arch == "encoder":
-            return self.encode(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids)
+            return self.encode(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+                               document_ids=document_ids)
         if arch == "decoder":
-            return self.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids)
+            return self.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
+                               document_ids=document_ids)
+        if document_ids is not None:
+            raise ValueError("document_ids are for encoder or decoder models (packed LM rows)")
         if decoder_input_ids is None:
             raise ValueError("an encoder_decoder model needs decoder_input_ids")
         memory = self.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
         return self.decode(decoder_input_ids, decoder_attention_mask, memory=memory, memory_mask=attention_mask)
 
-    def new_cache(self, batch: int, capacity: int | None = None, dtype=None, device=None) -> KVCache:
+    def new_cache(self, batch: int, capacity: int | None = None, dtype=None, device=None) -> KVCache | LinearState:
+        """The decoding state: a KV cache of `capacity` tokens; with a sliding window a rolling
+        cache of min(window, capacity) slots; with linear attention the recurrent state."""
         cfg = self.config
         weight = self.tokens.weight
+        layers = cfg.decoder_layers if cfg.arch != "encoder" else 0
+        if cfg.attention_kind == "linear":
+            return LinearState(layers, batch, cfg.n_heads, cfg.dim_per_head, device or weight.device)
+        if cfg.sliding_window is not None:
+            return RollingKVCache(layers, batch, cfg.kv_heads, cfg.dim_per_head,
+                                  min(cfg.sliding_window, capacity or cfg.sliding_window),
+                                  dtype or weight.dtype, device or weight.device)
         return KVCache(cfg.decoder_layers if cfg.arch != "encoder" else 0, batch, cfg.kv_heads, cfg.dim_per_head,
                        capacity or cfg.max_seq_len, dtype or weight.dtype, device or weight.device)
