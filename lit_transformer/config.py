@@ -129,6 +129,9 @@ def longest_input(cfg: RunConfig) -> tuple[str, int]:
     return max(((f"data.{k}", getattr(cfg.data, k)) for k in keys), key=lambda item: item[1])
 
 
+DOCUMENT_MASK_OBJECTIVES = ("clm", "mlm")  # the collators that see packed documents whole
+
+
 def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     """The objective trains this architecture, and the data fits the learned position table.
     Called once a run's model config is known (at load, or after loading finetune.from)."""
@@ -136,6 +139,12 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     if model.arch not in spec.archs:
         raise RecipeError(f"{source}: objective.name={spec.name} needs model.arch in {list(spec.archs)}, "
                           f"got {model.arch!r}")
+    if cfg.data.document_mask and cfg.objective.name not in DOCUMENT_MASK_OBJECTIVES:
+        raise RecipeError(f"{source}: data.document_mask=true applies to objective.name in "
+                          f"{list(DOCUMENT_MASK_OBJECTIVES)} (packed LM blocks), not {cfg.objective.name!r}")
+    if cfg.data.document_mask and model.attention_kind == "linear":
+        raise RecipeError(f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
+                          "(linear attention's running sums cross document boundaries)")
     key, length = longest_input(cfg)
     if model.position == "learned" and length > model.max_seq_len:  # at startup, not at the first batch
         raise RecipeError(f"{source}: {key}={length} exceeds model.max_seq_len={model.max_seq_len}, "

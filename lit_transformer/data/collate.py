@@ -10,6 +10,8 @@ it would have, and 2 ranks draw exactly the masks one process draws for the same
 Batch keys (B batch, T length; training code relies on these names):
 - mlm:      input_ids (B,T), attention_mask (B,T) 1 = real token, labels (B,T) -100 = not predicted
 - clm:      input_ids (B,T), attention_mask (B,T), labels (B,T): labels[t] = token after input_ids[t]
+- mlm, clm with data.document_mask: also document_ids (B,T) (0, 1, ... per packed document of the
+            row) and position_ids (B,T) (restarting at 0 at each document start)
 - span:     see span.py (input_ids, attention_mask, labels, decoder_input_ids, decoder_attention_mask)
 - seq2seq:  input_ids, attention_mask (B,S); decoder_input_ids, decoder_attention_mask, labels (B,T)
 - classify: input_ids, attention_mask, token_type_ids (B,T); labels (B,) long | (B,K) float | (B,) float
@@ -70,6 +72,33 @@ def _lengths_mask(seqs: Sequence, length: int) -> torch.Tensor:
     return (torch.arange(length)[None, :] < lens[:, None]).long()  # (B, T)
 
 
+def document_ids(ids: torch.Tensor, separator_id: int) -> torch.Tensor:
+    """(B, T) packed rows -> (B, T) index of each token's document within its row. Packing ends
+    every document with the separator (pack.py), so a document starts after each separator:
+    the same boundaries as the token store's `doc_starts` (LMBlocks.document_ids), found from
+    the tokens alone, so streaming rows get them too. The separator belongs to the document it ends."""
+    ends = (ids == separator_id).long()
+    return ends.cumsum(1) - ends  # separators strictly before t
+
+
+def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> positions restarting at 0 at each document's first token."""
+    T = doc_ids.shape[1]
+    index = torch.arange(T).expand_as(doc_ids)
+    first = torch.ones_like(doc_ids, dtype=torch.bool)
+    first[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(first, index, 0).cummax(1).values
+
+
+def with_documents(batch: dict[str, torch.Tensor], full_ids: torch.Tensor, separator_id: int | None,
+                   width: int) -> dict[str, torch.Tensor]:
+    """Add document_ids and position_ids (B, width) computed over `full_ids` (the unmasked rows)."""
+    doc = document_ids(full_ids, separator_id)[:, :width]
+    batch["document_ids"] = doc
+    batch["position_ids"] = positions_in_documents(doc)
+    return batch
+
+
 def word_start_table(tokenizer) -> torch.Tensor:
     """(V,) bool: does this token begin a word? For whole-word masking.
 
@@ -105,7 +134,7 @@ class MLMCollator:
 
     def __init__(self, *, special: SpecialTokens, vocab_size: int, probability: float = 0.15,
                  mask_replace_prob: float = 0.8, random_replace_prob: float = 0.1,
-                 word_starts: Optional[torch.Tensor] = None):
+                 word_starts: Optional[torch.Tensor] = None, document_mask: bool = False):
         if special.mask_id is None:
             raise DataError("masked LM needs a mask token ([MASK] or <mask>) in the tokenizer")
         self.special = special
@@ -119,6 +148,7 @@ class MLMCollator:
         keep[self.never[self.never < vocab_size]] = False
         self.random_ids = torch.nonzero(keep).squeeze(1)  # (V',) candidates for random replacement
         self.pad_id = special.pad_id if special.pad_id is not None else 0
+        self.separator_id = _separator(special, document_mask)
 
     def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         gens = per_example(generators, len(examples))
@@ -149,20 +179,38 @@ class MLMCollator:
         input_ids = ids.clone()
         input_ids[to_mask] = self.special.mask_id
         input_ids[to_random] = random_tokens[to_random]
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if self.separator_id is not None:  # boundaries from the unmasked tokens
+            with_documents(batch, ids, self.separator_id, T)
+        return batch
 
 
 class CLMCollator:
     """Blocks of T+1 tokens -> inputs tokens[:-1], labels tokens[1:] (already shifted)."""
 
-    def __init__(self, *, special: SpecialTokens):
+    def __init__(self, *, special: SpecialTokens, document_mask: bool = False):
         self.pad_id = special.pad_id if special.pad_id is not None else 0
+        self.separator_id = _separator(special, document_mask)
 
     def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         ids = pad(examples, self.pad_id)  # (B, T+1)
         real = _lengths_mask(examples, ids.shape[1])  # (B, T+1)
         labels = ids[:, 1:].masked_fill(real[:, 1:] == 0, IGNORE_INDEX)  # (B, T)
-        return {"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "labels": labels}
+        batch = {"input_ids": ids[:, :-1], "attention_mask": real[:, :-1], "labels": labels}
+        if self.separator_id is not None:
+            # The separator ending a document still predicts the next document's first token:
+            # as a BOS would, from nothing of that document (the mask hides the previous one).
+            with_documents(batch, ids, self.separator_id, ids.shape[1] - 1)
+        return batch
+
+
+def _separator(special: SpecialTokens, document_mask: bool) -> int | None:
+    """The token that ends every packed document, when document masking is on."""
+    if not document_mask:
+        return None
+    if special.separator_id is None:
+        raise DataError("data.document_mask needs the eos/sep token that separates packed documents")
+    return special.separator_id
 
 
 class Seq2SeqCollator:

@@ -61,6 +61,9 @@ class DataConfig:
     mask_replace_prob: float = 0.8  # of the selected tokens: [MASK] ...
     random_replace_prob: float = 0.1  # ... a random token; the rest stay unchanged
     whole_word_mask: bool = False
+    # mlm / clm on packed blocks: a token attends only within its own document, and positions
+    # restart at each document start (the collator sends document_ids and position_ids)
+    document_mask: bool = False
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
     mean_span_length: float = 3.0
     batch_size: int = 32

@@ -192,9 +192,10 @@ class TextDataModule(L.LightningDataModule):
             return MLMCollator(special=sp, vocab_size=tok.get_vocab_size(with_added_tokens=True),
                                probability=cfg.mlm_probability, mask_replace_prob=cfg.mask_replace_prob,
                                random_replace_prob=cfg.random_replace_prob,
-                               word_starts=word_start_table(tok) if cfg.whole_word_mask else None)
+                               word_starts=word_start_table(tok) if cfg.whole_word_mask else None,
+                               document_mask=cfg.document_mask)
         if self.objective == "clm":
-            return CLMCollator(special=sp)
+            return CLMCollator(special=sp, document_mask=cfg.document_mask)
         if self.objective == "span":
             return SpanCorruptionCollator(block_size=cfg.block_size, sentinel_ids=sp.sentinel_ids, eos_id=sp.eos_id,
                                           decoder_start_id=sp.decoder_start_id, noise_density=cfg.noise_density,

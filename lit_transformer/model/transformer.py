@@ -182,6 +182,9 @@ class Stack(nn.Module):
         cfg, B, T = self.cfg, *q_positions.shape
         device = q_positions.device
         if cfg.attention_kind == "linear":
+            if document_ids is not None:
+                raise ValueError("document_ids need model.attention_kind='softmax' (linear attention's running "
+                                 "sums cross document boundaries)")
             key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
             return LinearMask(causal=self.causal, key_mask=key_mask)
         past = cache.length if cache is not None else 0

@@ -63,13 +63,18 @@ class CausalLM(ObjectiveBase):
         if labels.shape != batch["input_ids"].shape:
             raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
                              "(the collator shifts them)")
+        documents = _documents(batch)
         if self.fuse_head_and_loss():
-            features = self.model.head_features(batch["input_ids"], batch.get("attention_mask"))  # (B, T, C)
+            features = self.model.head_features(batch["input_ids"], batch.get("attention_mask"), **documents)  # (B, T, C)
             decoder = self.model.lm_head.decoder
             loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
                                                                labels.reshape(-1), label_smoothing, count_correct=False)
             return loss_sum, nll_sum, count
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"))  # (B, T, V)
+        logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)  # (B, T, V)
         V = logits.shape[-1]
         return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
 
+
+def _documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """document_ids and position_ids of packed rows, when the collator sent them (data.document_mask)."""
+    return {key: batch[key] for key in ("document_ids", "position_ids") if key in batch}

@@ -62,7 +62,9 @@ class MaskedLM(ObjectiveBase):
         labels = batch["labels"]
         predicted = labels != IGNORE_INDEX  # (B, T)
         logits = self.model.logits_at(batch["input_ids"], batch.get("attention_mask"), predicted,
-                                      token_type_ids=batch.get("token_type_ids"))  # (N, V)
+                                      token_type_ids=batch.get("token_type_ids"),
+                                      position_ids=batch.get("position_ids"),  # with data.document_mask
+                                      document_ids=batch.get("document_ids"))  # (N, V)
         return logits, labels[predicted]
 
     def _masked_terms(self, batch, label_smoothing: float):
