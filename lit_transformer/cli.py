@@ -1,4 +1,4 @@
-"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, export.
+"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, average, export.
 
 Each subcommand parses its arguments and calls one function: `runner` trains, `inference`
 evaluates, generates and exports, `info` counts. A user error (a bad
@@ -43,10 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="validation metrics of a run or checkpoint",
                        description="Validation metrics of a run directory (its final model) or a checkpoint: "
-                       "loss, perplexity, bits_per_byte, accuracy, macro_f1, bleu as fit the objective.")
+                       "loss, perplexity, bits_per_byte, accuracy, macro_f1 as fit the objective; a translation "
+                       "(seq2seq) run also decodes every sentence and reports sacrebleu's BLEU and chrF with "
+                       "their signatures.")
     p.add_argument("target", metavar="RUN_OR_CKPT")
-    p.add_argument("--data", metavar="PATH", help="evaluate on this file instead of the run's validation split")
-    p.add_argument("--max-batches", type=int, metavar="N", help="evaluate at most N batches")
+    p.add_argument("--data", metavar="PATH", help="evaluate on this file instead of the run's validation split "
+                   "(a file in the run's data format; with --data-target, the source side of aligned files)")
+    p.add_argument("--data-target", metavar="PATH", help="translation: the reference file aligned line by line "
+                   "with --data (e.g. --data test.de --data-target test.en)")
+    p.add_argument("--max-batches", type=int, metavar="N", help="evaluate at most N batches (translation: "
+                   "their sentences; default: all)")
+    p.add_argument("--num-beams", type=int, metavar="N", help="translation BLEU/chrF: beam width "
+                   "(default: the recipe's objective.num_beams)")
+    p.add_argument("--length-penalty", type=float, metavar="ALPHA", help="translation: GNMT's alpha "
+                   "(default: the recipe's objective.length_penalty)")
+    p.add_argument("--max-new-tokens", type=int, metavar="N", help="translation: new tokens per sentence "
+                   "(default: the recipe's data.max_target_length)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="translation: sentences decoded "
+                   "together (default 32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", **DEBUG)
 
@@ -54,13 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Continue a prompt (decoder) or transform it (encoder-decoder). Samples with "
                        "temperature/top-k/top-p unless --greedy or --num-beams > 1.")
     p.add_argument("target", metavar="RUN_OR_CKPT")
-    p.add_argument("--prompt", required=True, metavar="TEXT")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", metavar="TEXT")
+    given.add_argument("--input", metavar="FILE", help="one input per line (or --column of a .jsonl/.csv/.tsv "
+                       "file), streamed; one output per line, in input order")
+    p.add_argument("--output", metavar="FILE", help="with --input: write here (default stdout; .jsonl: "
+                   '{"input", "output"} objects)')
+    p.add_argument("--column", metavar="NAME", help="with a .jsonl/.csv/.tsv --input: the column to read "
+                   "(default source, else text)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="inputs decoded together (default 32)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50, metavar="K", help="0 for no top-k filter")
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--num-beams", type=int, default=1, metavar="N", help="beam search when > 1")
+    p.add_argument("--length-penalty", type=float, default=0.6, metavar="ALPHA",
+                   help="beam search: GNMT's alpha, scores divided by ((5 + length) / 6) ** ALPHA (default 0.6)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", **DEBUG)
 
@@ -70,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="PRESET_OR_RECIPE")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser("average", help="average the model weights of a run's last N checkpoints",
+                       description="Write the elementwise mean (float32) of the model weights of RUN_DIR's last N "
+                       "checkpoints as a model directory that generate, evaluate, finetune and export read "
+                       "(Vaswani et al. 2017 average the last 5). Sharded (FSDP) checkpoints work too.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("out", metavar="OUT_DIR", help="output model directory")
+    p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the newest checkpoints (default 5)")
     p.add_argument("--debug", **DEBUG)
 
     p = sub.add_parser("export", help="write a run's model as a transformers directory",
@@ -106,10 +139,17 @@ def run(args: argparse.Namespace) -> int:
         out = info(args.target, args.overrides)
         print(json.dumps(out) if args.json else format_info(out))
         return 0
+    if args.command == "average":
+        from .averaging import average
+
+        print(average(args.run_dir, args.out, args.last))
+        return 0
     from . import inference
 
     if args.command == "evaluate":
-        metrics = inference.evaluate(args.target, args.data, max_batches=args.max_batches)
+        metrics = inference.evaluate(args.target, args.data, max_batches=args.max_batches, data_target=args.data_target,
+                                     num_beams=args.num_beams, length_penalty=args.length_penalty,
+                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
         if args.json:
             print(json.dumps(metrics))
         else:
@@ -117,11 +157,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{key:<16} {value:.4f}" if isinstance(value, float) else f"{key:<16} {value}")
         return 0
     if args.command == "generate":
-        print(inference.generate(
-            args.target, args.prompt, max_new_tokens=args.max_new_tokens, greedy=args.greedy,
-            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p, num_beams=args.num_beams,
-            seed=args.seed,
-        ))
+        decoding = dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                        top_k=args.top_k or None, top_p=args.top_p, num_beams=args.num_beams,
+                        length_penalty=args.length_penalty, seed=args.seed)
+        if args.input is not None:
+            inference.generate_file(args.target, args.input, args.output, column=args.column,
+                                    batch_size=args.batch_size, **decoding)
+        else:
+            print(inference.generate(args.target, args.prompt, **decoding))
         return 0
     print(inference.export(args.target, args.out, args.format))
     return 0

@@ -14,7 +14,8 @@ import torch
 from . import registry
 from .errors import RunError
 from .loading import label_names, load_for_evaluation, load_language_model, resolve_source, source_objective
-from .prompts import complete, encode_prompt
+from .batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
+from .batch_generate import generate_file as run_file
 from .rundir import CONFIG_YAML
 from .runner import cpu_threads, data_module
 
@@ -23,10 +24,18 @@ EVALUATE_NAMES = {"ppl": "perplexity", "bpb": "bits_per_byte", "masked_accuracy"
                   "token_accuracy": "accuracy"}
 
 
-def evaluate(target: str, data: str | None = None, *, max_batches: int | None = None) -> dict[str, Any]:
+def evaluate(target: str, data: str | None = None, *, max_batches: int | None = None, data_target: str | None = None,
+             num_beams: int | None = None, length_penalty: float | None = None, max_new_tokens: int | None = None,
+             batch_size: int = 32, progress_bar: bool = True) -> dict[str, Any]:
     """Validation metrics of a run (its final model) or checkpoint on its validation split or
-    on `data` (a file in the run's data format). Keys: loss, perplexity, bits_per_byte,
-    accuracy, macro_f1, bleu, ... as fit the objective."""
+    on `data` (a file in the run's data format, or with `data_target` a pair of aligned
+    source/target files). Keys: loss, perplexity, bits_per_byte, accuracy, macro_f1, ... as fit
+    the objective; a translation model (seq2seq with objective.bleu) also decodes every
+    sentence (the first max_batches batches' worth with max_batches) and reports BLEU and chrF
+    with sacrebleu's signatures. Decoding: objective.num_beams and objective.length_penalty
+    unless given, at most data.max_target_length new tokens unless given."""
+    from .data.corpus import build_sources
+    from .data.files import ReadStats
     from .objectives import evaluate_batches
 
     source = resolve_source(target)
@@ -35,13 +44,27 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
         raise RunError(f"{target}: evaluate needs a run directory (or a checkpoint inside one) with "
                        f"{CONFIG_YAML} and tokenizer.json")
     data_cfg = cfg.data
+    if data_target is not None and data is None:
+        raise RunError(f"--data-target {data_target}: needs --data (the source file it aligns with)")
     if data is not None:
-        if not Path(data).exists():
-            raise RunError(f"--data {data}: no such file")
-        data_cfg = dataclasses.replace(data_cfg, train_files=[data], val_files=[data], source_files=[],
-                                       target_files=[], val_source_files=[], val_target_files=[])
+        for flag, path in (("--data", data), ("--data-target", data_target)):
+            if path is not None and not Path(path).exists():
+                raise RunError(f"{flag} {path}: no such file")
+        # the whole file: none of the run's caps on validation text
+        data_cfg = dataclasses.replace(data_cfg, max_val_bytes=None, max_documents=None)
+        if data_target is not None:
+            data_cfg = dataclasses.replace(data_cfg, train_files=[], val_files=[], source_files=[data],
+                                           target_files=[data_target], val_source_files=[data],
+                                           val_target_files=[data_target])
+        else:
+            data_cfg = dataclasses.replace(data_cfg, train_files=[data], val_files=[data], source_files=[],
+                                           target_files=[], val_source_files=[], val_target_files=[])
+    style = registry.spec(source_objective(source)).prompt
+    translation = style == "transform" and cfg.objective.bleu
     cfg = dataclasses.replace(cfg, data=data_cfg,
-                              tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)))
+                              tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
+                              # BLEU is decoded below, over every sentence, not a few validation batches
+                              objective=dataclasses.replace(cfg.objective, bleu=False))
     dm = data_module(cfg, None)
     module = load_for_evaluation(source, cfg, dm)
     batches = dm.val_dataloader()
@@ -51,12 +74,24 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
     with cpu_threads(cfg.trainer.num_threads), autocast:  # the precision the run trained with
         values = evaluate_batches(module, batches, max_batches)
-    return {"objective": module.objective_name, **{EVALUATE_NAMES.get(k, k): v for k, v in values.items()}}
+    out = {"objective": module.objective_name, **{EVALUATE_NAMES.get(k, k): v for k, v in values.items()}}
+    if translation:
+        decoding = decoding_options(
+            max_new_tokens=max_new_tokens or cfg.data.max_target_length, greedy=True,
+            num_beams=num_beams if num_beams is not None else cfg.objective.num_beams,
+            length_penalty=length_penalty if length_penalty is not None else cfg.objective.length_penalty)
+        # in float32, as `generate --input` decodes: the same options give the same text
+        generate_text = BatchGenerator(module.model, dm.tokenizer, dm.special_tokens, style, decoding,
+                                       batch_size=batch_size)
+        pairs = build_sources(data_cfg, registry.spec(module.objective_name).data)["validation"].iterate(ReadStats())
+        limit = None if max_batches is None else max_batches * (data_cfg.eval_batch_size or data_cfg.batch_size)
+        out.update(translation_scores(generate_text, pairs, limit=limit, progress_bar=progress_bar))
+    return out
 
 
-def generate(target: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
-             top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1, seed: int = 0) -> str:
-    """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model."""
+def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32,
+                    notes: ContextNotes | None = None) -> BatchGenerator:
+    """A run's model, tokenizer and prompt style, ready to generate from text."""
     from .data.tokenizer import SpecialTokens, load_tokenizer
 
     source = resolve_source(target)
@@ -70,16 +105,57 @@ def generate(target: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool
                        f"{', '.join(generative)} run")
     model = load_language_model(source).eval()
     tokenizer = load_tokenizer(source.tokenizer)
-    special = SpecialTokens.from_tokenizer(tokenizer)
-    ids = encode_prompt(prompt, tokenizer, special, style)
+    return BatchGenerator(model, tokenizer, SpecialTokens.from_tokenizer(tokenizer), style, decoding,
+                          batch_size=batch_size, notes=notes)
+
+
+def decoding_options(*, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
+                     top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1,
+                     length_penalty: float = 0.6, seed: int = 0) -> Decoding:
+    """The command line's decoding flags: sampling unless greedy or beam search."""
+    if num_beams < 1:
+        raise RunError(f"--num-beams {num_beams} must be at least 1")
+    if max_new_tokens < 1:
+        raise RunError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     sampling = not greedy and num_beams == 1
-    options = dict(do_sample=sampling, num_beams=num_beams)
-    if sampling:
-        options.update(temperature=temperature, top_k=top_k, top_p=top_p)
-    generator = torch.Generator().manual_seed(seed)
-    (text,) = complete(model, tokenizer, special, style, [ids], max_new_tokens=max_new_tokens,
-                       generator=generator, **options)
+    if sampling and not temperature > 0:
+        raise RunError(f"--temperature {temperature} must be positive")
+    if sampling and top_p is not None and not 0 < top_p <= 1:
+        raise RunError(f"--top-p {top_p} is outside (0, 1]")
+    return Decoding(max_new_tokens=max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
+                    do_sample=sampling, temperature=temperature, top_k=top_k if sampling else None,
+                    top_p=top_p if sampling else None, seed=seed)
+
+
+def generate(target: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
+             top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1, length_penalty: float = 0.6,
+             seed: int = 0) -> str:
+    """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model."""
+    decoding = decoding_options(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k,
+                                top_p=top_p, num_beams=num_beams, length_penalty=length_penalty, seed=seed)
+    generate_text = batch_generator(target, decoding, batch_size=1)
+    (text,) = generate_text([prompt])
+    generate_text.notes.finish()
     return text
+
+
+def generate_file(target: str, input: str, output: str | None = None, *, column: str | None = None,
+                  batch_size: int = 32, progress_bar: bool = True, **decoding: Any) -> int:
+    """One output line per input of a file (its lines, or a jsonl/csv/tsv column), in input
+    order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout."""
+    import sys
+
+    generate_text = batch_generator(target, decoding_options(**decoding), batch_size=batch_size)
+    if output is None:
+        return run_file(generate_text, input, sys.stdout, column=column, progress_bar=progress_bar)
+    try:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        file = open(output, "w", encoding="utf-8")
+    except OSError as error:
+        raise RunError(f"--output {output}: cannot write ({error.strerror})") from None
+    with file:
+        return run_file(generate_text, input, file, column=column, jsonl=output.endswith(".jsonl"),
+                        progress_bar=progress_bar)
 
 
 def export(target: str, out: str, fmt: str = "hf") -> Path:

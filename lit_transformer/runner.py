@@ -22,6 +22,8 @@ from .model.config import TransformerConfig
 from .model.language_model import LanguageModel
 from .prompts import complete, encode_prompt, show_prompt
 from .rundir import CONFIG_YAML, open_run_dir
+from .averaging import last_checkpoints, load_average, record_average, write_average
+from .distributed import is_sharded
 from .schema import RunConfig
 from .training import SampleGenerations, build_trainer, finish_wandb
 
@@ -117,7 +119,12 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
                                     progress_bar=progress_bar)
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt is not None else None)
         interrupted = trainer.interrupted or trainer.global_step < cfg.trainer.max_steps
-        validated_last = cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0 and any(
+        average = cfg.trainer.average_last or 1
+        # FSDP2 shards cannot take a whole state dict: a sharded run's average is written after
+        # save_final (its metrics are then those of the last weights)
+        averaged = (load_average(module, run_dir, average)
+                    if not interrupted and average > 1 and not is_sharded(module) else [])
+        validated_last = not averaged and cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0 and any(
             k.startswith("val/") for k in trainer.callback_metrics)  # not so after resuming a finished run
         if not interrupted and not validated_last:
             with worker_errors():
@@ -127,6 +134,11 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             final = consolidated(module, trainer.global_rank)  # FSDP: every rank gathers, rank 0 saves
             if trainer.is_global_zero:
                 save_final(final, run_dir, metrics)
+                if average > 1 and is_sharded(module):
+                    averaged = last_checkpoints(run_dir, average)
+                    write_average(averaged, run_dir, run_dir)
+                elif averaged:
+                    record_average(averaged, run_dir)
     finally:
         finish_wandb(run_dir)
     return metrics

@@ -62,11 +62,19 @@ ModelSection.__doc__ = (
 @dataclass
 class ObjectiveConfig:
     name: str = MISSING  # a registered objective: mlm, clm, span, seq2seq, classify
-    bleu: bool = True  # seq2seq: decode some validation batches and report corpus BLEU (sacrebleu)
-    bleu_batches: int = 2  # validation batches decoded for BLEU
+    bleu: bool = True  # seq2seq: decode validation sentences and report corpus BLEU (sacrebleu)
+    bleu_sentences: Optional[int] = 500  # validation sentences decoded for BLEU; null: the whole split
+    bleu_batches: Optional[int] = None  # a further cap in validation batches (null: none)
+    # decoding for BLEU (validation and `evaluate`): beam search when num_beams > 1, with GNMT's
+    # length penalty alpha (Wu et al. 2016); the 2017 paper: beam 4, alpha 0.6 (section 6.1)
+    num_beams: int = 1
+    length_penalty: float = 0.6
 
     def __post_init__(self):
-        need_positive_int("objective.bleu_batches", self.bleu_batches)
+        need_positive_int("objective.bleu_batches", self.bleu_batches, optional=True)
+        need_positive_int("objective.bleu_sentences", self.bleu_sentences, optional=True)
+        need_positive_int("objective.num_beams", self.num_beams)
+        need(self.length_penalty >= 0, "objective.length_penalty", self.length_penalty, "must not be negative")
 
 
 @dataclass
@@ -121,6 +129,11 @@ class TrainerConfig:
     limit_val_batches: Optional[int] = None  # None: the whole validation split
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 500
+    # step-N checkpoints kept besides last.ckpt (the newest ones); at least average_last
+    keep_checkpoints: int = 1
+    # average the model weights of the last N checkpoints into the final model (Vaswani et al.
+    # 2017, section 6.1: the last 5); null or 1: the final weights as trained
+    average_last: Optional[int] = None
     seed: int = 0
     deterministic: bool = False
     # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
@@ -133,7 +146,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         for key in ("max_steps", "accumulate_grad_batches", "val_check_interval", "log_every_n_steps",
-                    "checkpoint_every_n_steps", "num_nodes", "nonfinite_patience"):
+                    "checkpoint_every_n_steps", "num_nodes", "nonfinite_patience", "keep_checkpoints"):
             need_positive_int(f"trainer.{key}", getattr(self, key))
         need(self.devices == "auto" or (isinstance(self.devices, int) and not isinstance(self.devices, bool)
                                         and self.devices > 0),
@@ -142,6 +155,7 @@ class TrainerConfig:
              self.gradient_clip_val, "must be positive or null")
         need_positive_int("trainer.num_threads", self.num_threads, optional=True)
         need_positive_int("trainer.limit_val_batches", self.limit_val_batches, optional=True)
+        need_positive_int("trainer.average_last", self.average_last, optional=True)
 
 
 @dataclass

@@ -255,13 +255,19 @@ class SampleGenerations(Callback):
 # ----------------------------------------------------------------------------- trainer
 
 
+def keep_checkpoints(cfg: RunConfig) -> int:
+    """step-N checkpoints a run keeps: trainer.keep_checkpoints, and what averaging needs."""
+    return max(cfg.trainer.keep_checkpoints, cfg.trainer.average_last or 1)
+
+
 def build_callbacks(cfg: RunConfig, run_dir: Path, extra: Sequence[Callback] = (),
                     progress_bar: bool = True) -> list[Callback]:
     callbacks: list[Callback] = [
         StepCheckpoint(
             dirpath=str(run_dir / CHECKPOINT_DIR), filename="step-{step}", auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, save_top_k=1, save_last=True,
-            save_on_train_epoch_end=False,
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps, save_last=True, save_on_train_epoch_end=False,
+            # the newest k step-N checkpoints ("step" ranks them; k > 1 needs a monitored value)
+            save_top_k=keep_checkpoints(cfg), monitor="step" if keep_checkpoints(cfg) > 1 else None, mode="max",
         ),
         StepSeed(cfg.trainer.seed),
         NonFiniteGuard(cfg.trainer.nonfinite_patience, run_dir / CHECKPOINT_DIR),

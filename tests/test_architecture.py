@@ -19,9 +19,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_transformer"
 LAYERS = [
     {"model", "data", "errors"},  # the core, the data pipeline and the shared errors
     {"registry", "schema", "config"},  # the objective specs and the recipe schema
-    {"distributed", "checkpointing"},  # DDP/FSDP2 and every checkpoint format
+    {"distributed", "checkpointing", "preflight"},  # DDP/FSDP2, checkpoint formats, start-up checks
     {"objectives"},
-    {"rundir", "loading", "prompts", "training", "wandb_offline"},  # run directories, model loading, trainer factories
+    # run directories, model loading, trainer factories, batched generation, checkpoint averaging
+    {"rundir", "loading", "prompts", "training", "wandb_offline", "batch_generate", "averaging"},
     {"runner", "inference", "info"},  # the commands' work
     {"cli", "__init__"},
 ]

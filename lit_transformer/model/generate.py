@@ -14,7 +14,7 @@ W buffer width (prompt + new tokens), G generated length, V vocabulary, C model 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -31,7 +31,11 @@ class GenerationConfig:
     top_k: int | None = None
     top_p: float | None = None
     num_beams: int = 1
-    length_penalty: float = 1.0  # beam score = sum log p / generated_length ** length_penalty (HF)
+    length_penalty: float = 1.0  # the exponent alpha of the length normalisation below
+    # "power": score = sum log p / length ** alpha (HF's convention); "gnmt": divided by
+    # ((5 + length) / 6) ** alpha (Wu et al. 2016, eq. 14), the penalty Vaswani et al. 2017 used
+    # with alpha = 0.6 (section 6.1)
+    length_normalization: Literal["power", "gnmt"] = "power"
     eos_token_id: int | Sequence[int] | None = None
     pad_token_id: int = 0
     decoder_start_token_id: int | None = None  # encoder-decoder only; None: pad_token_id (T5)
@@ -49,6 +53,8 @@ class GenerationConfig:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.num_beams < 1:
             raise ValueError(f"num_beams={self.num_beams} must be at least 1")
+        if self.length_normalization not in ("power", "gnmt"):
+            raise ValueError(f"length_normalization={self.length_normalization!r} is not one of ['power', 'gnmt']")
         if self.num_beams > 1 and self.do_sample:
             raise ValueError("beam search is deterministic here: use num_beams=1 with do_sample=True, "
                              "or do_sample=False with num_beams>1")
@@ -217,6 +223,7 @@ def generate(
     top_p: float | None = None,
     num_beams: int = 1,
     length_penalty: float = 1.0,
+    length_normalization: Literal["power", "gnmt"] = "power",
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
     decoder_start_token_id: int | None = None,
@@ -234,7 +241,8 @@ def generate(
     """
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        num_beams=num_beams, length_penalty=length_penalty, length_normalization=length_normalization,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         decoder_start_token_id=decoder_start_token_id, use_cache=use_cache,
     )
     return generate_with(model, input_ids, attention_mask, config, generator=generator)
@@ -279,7 +287,8 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
 
     Follows the HF convention: candidates are the top (1 + #eos) * N continuations of all
     beams; an eos candidate ranked within the top N becomes a finished hypothesis with score
-    sum log p / generated_length ** length_penalty (eos counted); the best N non-eos candidates
+    sum log p / generated_length ** length_penalty (eos counted; with length_normalization="gnmt",
+    / ((5 + generated_length) / 6) ** length_penalty); the best N non-eos candidates
     continue. A prompt is done when it holds N finished hypotheses and no running beam can
     still beat the worst of them: with length_penalty > 0 a beam is bounded by its score
     divided by max_new_tokens ** length_penalty, otherwise by its current length (HF's
@@ -287,6 +296,10 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     token-for-token parity with transformers' generate for GPT-2, LLaMA and T5.
     """
     N, G, lp = config.num_beams, config.max_new_tokens, config.length_penalty
+
+    def norm(n: int) -> float:  # both forms grow with n when lp > 0, so the stopping bound holds
+        return ((5 + n) / 6) ** lp if config.length_normalization == "gnmt" else n ** lp
+
     R, device = decoder.ids.shape[0], decoder.ids.device
     B = R // N
     eos = torch.tensor(config.eos_ids, device=device) if config.eos_ids else None
@@ -316,7 +329,7 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
             if is_top is None:
                 is_top = torch.arange(n_cand, device=device) < N
             new = is_eos & is_top & ~done[:, None]
-            new_scores = torch.where(new, cand_scores / length ** lp, neg_inf)
+            new_scores = torch.where(new, cand_scores / norm(length), neg_inf)
             fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, new_scores, cand_tokens, N)
             running = cand_scores.masked_fill(is_eos, neg_inf)
         scores, keep = running.topk(N, dim=-1)  # (B, N), sorted: scores[:, 0] is the best beam
@@ -327,13 +340,13 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
         if eos is not None:
             horizon = G if lp > 0 else length
             full = torch.isfinite(fin_scores).all(1)
-            done |= full & (scores[:, 0] / horizon ** lp <= fin_scores.min(1).values)
+            done |= full & (scores[:, 0] / norm(horizon) <= fin_scores.min(1).values)
             if bool(done.all()):
                 break
         decoder.reorder((parent + offset).view(-1))
         decoder.append(cand_tok.gather(1, keep).view(-1))
     # Prompts still searching when the budget ran out finish with their running beams.
-    open_scores = torch.where(done[:, None], neg_inf, scores / length ** lp)
+    open_scores = torch.where(done[:, None], neg_inf, scores / norm(length))
     fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, open_scores, tokens, N)
     best = fin_tokens[torch.arange(B, device=device), fin_scores.argmax(1)]  # (B, G), pad after eos
     generated = best[:, :length]

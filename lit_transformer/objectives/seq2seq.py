@@ -3,8 +3,9 @@ source -> target pairs (Vaswani et al. 2017's translation task). Both are teache
 cross-entropy over the decoder labels; the collator builds decoder_input_ids (labels shifted
 right behind the start token) and marks padding in the labels with IGNORE_INDEX.
 
-For supervised pairs the validation can also decode a few batches and report corpus BLEU
-(Papineni et al. 2002) with sacrebleu, given a `detokenize` function.
+For supervised pairs the validation can also decode validation sentences (by default the
+first 500: the whole split when it is small) with the recipe's beam settings and report corpus
+BLEU (Papineni et al. 2002) with sacrebleu, given a `detokenize` function.
 
 Shape legend: B batch, S source length, T target length, G generated length, V vocabulary.
 """
@@ -32,11 +33,12 @@ Task = Literal["span", "seq2seq"]
 class Seq2SeqLM(ObjectiveBase):
     def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
                  max_steps: int | None = None, *, task: Task = "seq2seq", bytes_per_token: float | None = None,
-                 bleu: bool = False, detokenize: Callable[[list[int]], str] | None = None, bleu_max_batches: int = 4,
+                 bleu: bool = False, detokenize: Callable[[list[int]], str] | None = None,
+                 bleu_max_batches: int | None = 4, bleu_max_sentences: int | None = None,
                  generate_kwargs: dict[str, Any] | None = None, **options: Unpack[ObjectiveOptions]):
         """`task` only documents the run (hparams); the loss is the same.
-        `bleu`: decode the first `bleu_max_batches` validation batches with
-        `generate(**generate_kwargs)` (max_new_tokens, num_beams, eos_token_id, pad_token_id,
+        `bleu`: decode the first `bleu_max_sentences` sentences of the first `bleu_max_batches`
+        validation batches (None: no limit) with `generate(**generate_kwargs)` (max_new_tokens, num_beams, eos_token_id, pad_token_id,
         decoder_start_token_id, ...) and log corpus BLEU of `detokenize(ids)` against the labels.
         `detokenize` is a function, so it is not saved in the hyperparameters: pass it again to
         load_from_checkpoint."""
@@ -51,7 +53,8 @@ class Seq2SeqLM(ObjectiveBase):
         if lm.config.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqLM needs model.arch='encoder_decoder', not {lm.config.arch!r}")
         hparams = {"model": lm.config.to_dict(), "task": task, "bytes_per_token": bytes_per_token, "bleu": bleu,
-                   "bleu_max_batches": bleu_max_batches, "generate_kwargs": dict(generate_kwargs or {})}
+                   "bleu_max_batches": bleu_max_batches, "bleu_max_sentences": bleu_max_sentences,
+                   "generate_kwargs": dict(generate_kwargs or {})}
         super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
                          hparams=hparams, **options)
         self.model = lm
@@ -59,6 +62,8 @@ class Seq2SeqLM(ObjectiveBase):
         self.bleu = bleu
         self.detokenize = detokenize
         self.bleu_max_batches = bleu_max_batches
+        self.bleu_max_sentences = bleu_max_sentences
+        self._bleu_count = 0  # sentences this rank decoded in the current validation
         self.generate_kwargs = {"max_new_tokens": 64, **(generate_kwargs or {})}
         self.eval_metrics["loss"] = TokenAverage()
         self.eval_metrics["token_accuracy"] = TokenAverage()
@@ -71,15 +76,18 @@ class Seq2SeqLM(ObjectiveBase):
 
     @classmethod
     def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
-        """`name` is the task; seq2seq decodes objective.bleu_batches validation batches for BLEU."""
+        """`name` is the task; seq2seq decodes objective.bleu_sentences validation sentences for
+        BLEU with objective.num_beams and objective.length_penalty (GNMT's alpha)."""
         bleu: dict[str, Any] = {}
         if name == "seq2seq" and cfg.objective.bleu:
             tokenizer, special = data.tokenizer, data.special_tokens
+            beams = dict(num_beams=cfg.objective.num_beams, length_penalty=cfg.objective.length_penalty,
+                         length_normalization="gnmt") if cfg.objective.num_beams > 1 else {}
             bleu = dict(bleu=True, detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                        bleu_max_batches=cfg.objective.bleu_batches,
+                        bleu_max_batches=cfg.objective.bleu_batches, bleu_max_sentences=cfg.objective.bleu_sentences,
                         generate_kwargs=dict(max_new_tokens=cfg.data.max_target_length, eos_token_id=special.eos_id,
                                              pad_token_id=special.pad_id or 0,
-                                             decoder_start_token_id=special.decoder_start_id))
+                                             decoder_start_token_id=special.decoder_start_id, **beams))
         return cls(model, task=name, bytes_per_token=data.bytes_per_token, **bleu, **cls.recipe_options(cfg))
 
     @classmethod
@@ -122,9 +130,13 @@ class Seq2SeqLM(ObjectiveBase):
         _, nll_sum, count, correct = self._terms(batch, 0.0)
         self.eval_metrics["loss"].update(nll_sum, count)
         self.eval_metrics["token_accuracy"].update(correct, count)
-        if self.bleu and batch_idx < self.bleu_max_batches:
-            hypotheses, references = self.translate(batch)
+        if batch_idx == 0:
+            self._bleu_count = 0
+        rows = self._bleu_rows(batch_idx, batch["input_ids"].shape[0])
+        if rows:
+            hypotheses, references = self.translate({k: v[:rows] if torch.is_tensor(v) else v for k, v in batch.items()})
             self.eval_metrics["bleu"].update(hypotheses, references)
+            self._bleu_count += rows
 
     def eval_compute(self) -> dict[str, float]:
         out = self.lm_eval_metrics(self.eval_metrics["loss"].compute())
@@ -135,6 +147,17 @@ class Seq2SeqLM(ObjectiveBase):
             if bleu == bleu:
                 out["bleu"] = bleu
         return out
+
+    def _bleu_rows(self, batch_idx: int, batch_size: int) -> int:
+        """How many of this batch's sentences to decode for BLEU: the rank's share of
+        bleu_max_sentences not yet decoded, in the first bleu_max_batches batches."""
+        if not self.bleu or (self.bleu_max_batches is not None and batch_idx >= self.bleu_max_batches):
+            return 0
+        if self.bleu_max_sentences is None:
+            return batch_size
+        world = self.trainer.world_size if self._trainer is not None else 1
+        share = -(-self.bleu_max_sentences // world)  # ceil: the ranks together decode at least the limit
+        return max(0, min(batch_size, share - self._bleu_count))
 
     def translate(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """Decode the batch's sources; (hypotheses, references) as detokenized text."""

@@ -1,0 +1,279 @@
+"""Generation over many inputs: `generate --input FILE` and evaluate's BLEU decoding.
+
+Inputs are read in chunks (a few thousand lines), so a file larger than memory streams
+through; inside a chunk they are sorted by token length, so a batch holds prompts of similar
+length and little padding, and the outputs are written back in input order. Prompts that do
+not fit the model's context are cut to fit and counted (`ContextNotes`), and a request for
+more new tokens than the context holds is capped and said out loud: nothing is dropped
+silently.
+
+Shape legend: B prompts in a batch, T prompt length.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, TextIO
+
+import torch
+
+from .errors import RunError
+from .prompts import complete, encode_prompt
+from .registry import PromptStyle
+
+CHUNK_LINES = 4096  # inputs sorted together: enough for similar lengths, few MB of text at most
+SHOWN_NOTES = 3  # truncation notices printed one by one before only the count is kept
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """Decoding options of `generate` (model.generate's names); beam search when num_beams > 1.
+    length_penalty is GNMT's alpha (Wu et al. 2016): the 2017 paper's beam 4, alpha 0.6."""
+
+    max_new_tokens: int = 64
+    num_beams: int = 1
+    length_penalty: float = 0.6
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def options(self) -> dict:
+        out: dict = dict(do_sample=self.do_sample, num_beams=self.num_beams)
+        if self.num_beams > 1:
+            out.update(length_penalty=self.length_penalty, length_normalization="gnmt")
+        if self.do_sample:
+            out.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        return out
+
+
+@dataclass
+class ContextNotes:
+    """What did not fit the model's context, reported on `out` (stderr) as it happens."""
+
+    out: TextIO | None = None
+    truncated: int = 0
+    capped: bool = False
+    lines: list[str] = field(default_factory=list)
+
+    def say(self, text: str) -> None:
+        self.lines.append(text)
+        print(f"note: {text}", file=self.out or sys.stderr, flush=True)
+
+    def prompt_cut(self, where: str, before: int, after: int, context: int, kept: str) -> None:
+        self.truncated += 1
+        if self.truncated <= SHOWN_NOTES:
+            self.say(f"{where} has {before} tokens, more than the model's context ({context}) holds: "
+                     f"kept its {kept} {after}")
+
+    def finish(self) -> None:
+        if self.truncated > SHOWN_NOTES:
+            self.say(f"{self.truncated} inputs in all were cut to fit the context")
+
+
+class BatchGenerator:
+    """Text in, text out for a loaded model: encode, fit the context, sort, batch, decode."""
+
+    def __init__(self, model, tokenizer, special, style: PromptStyle, decoding: Decoding, *, batch_size: int = 32,
+                 notes: ContextNotes | None = None):
+        if batch_size < 1:
+            raise RunError(f"--batch-size {batch_size} must be at least 1")
+        self.model, self.tokenizer, self.special, self.style = model.eval(), tokenizer, special, style
+        self.decoding, self.batch_size = decoding, batch_size
+        self.notes = notes if notes is not None else ContextNotes()
+        self.context = model.config.max_seq_len
+        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(decoding.seed)
+        self._capped_said = False
+
+    def budget(self, prompt_length: int) -> int:
+        """New tokens a prompt of this length may get. A decoder's prompt and continuation share
+        the context; a long prompt keeps at least half of it for new tokens. An encoder-decoder's
+        decoder holds the start token and the new tokens."""
+        want = self.decoding.max_new_tokens
+        if self.style != "continue":
+            return max(1, min(want, self.context - 1))
+        return max(1, min(want, max(self.context - prompt_length, self.context // 2)))
+
+    def fit(self, ids: list[int], where: str) -> list[int]:
+        """The prompt cut to the context: a decoder keeps its last tokens (the text it continues),
+        an encoder its first tokens and its end token, as training truncated sources."""
+        if self.style == "continue":
+            room = self.context - self.budget(len(ids))
+            if len(ids) > room:
+                self.notes.prompt_cut(where, len(ids), room, self.context, "last")
+                return ids[-room:]
+            return ids
+        if len(ids) > self.context:
+            end = [ids[-1]] if ids[-1] in (self.special.eos_id, self.special.sep_id) else []
+            self.notes.prompt_cut(where, len(ids), self.context, self.context, "first")
+            return ids[: self.context - len(end)] + end
+        return ids
+
+    def _say_cap(self, length: int, budget: int) -> None:
+        if budget < self.decoding.max_new_tokens and not self._capped_said:
+            self._capped_said = True
+            self.notes.capped = True
+            what = "prompt and new tokens share" if self.style == "continue" else "the decoder holds"
+            self.notes.say(f"generation stops at the context length: max_new_tokens={self.decoding.max_new_tokens} "
+                           f"but the model's context ({self.context} tokens, model.max_seq_len) that {what} "
+                           f"leaves {budget} new tokens" + (f" after a {length}-token prompt"
+                                                            if self.style == "continue" else ""))
+
+    def __call__(self, texts: list[str], first_index: int = 0, progress: Callable[[int], None] | None = None
+                 ) -> list[str]:
+        """Outputs of `texts`, in their order. Batches hold prompts of similar length and the
+        same new-token budget, so every prompt is decoded exactly as it would be alone (same
+        max_new_tokens, its padding masked)."""
+        prompts = [self.fit(encode_prompt(t, self.tokenizer, self.special, self.style), f"input {first_index + i + 1}")
+                   for i, t in enumerate(texts)]
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: memory errors early
+        outputs: list[str] = [""] * len(prompts)
+        start = 0
+        while start < len(order):
+            budget = self.budget(len(prompts[order[start]]))
+            stop = start + 1
+            while stop < len(order) and stop - start < self.batch_size \
+                    and self.budget(len(prompts[order[stop]])) == budget:
+                stop += 1
+            rows = order[start:stop]
+            self._say_cap(len(prompts[rows[0]]), budget)
+            texts_out = complete(self.model, self.tokenizer, self.special, self.style, [prompts[i] for i in rows],
+                                 max_new_tokens=budget, generator=self.generator, **self.decoding.options())
+            for i, text in zip(rows, texts_out):
+                outputs[i] = text
+            if progress is not None:
+                progress(len(rows))
+            start = stop
+        return outputs
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def input_format(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return {".jsonl": "jsonl", ".csv": "csv", ".tsv": "tsv"}.get(suffix, "text")
+
+
+def read_inputs(path: str | Path, column: str | None = None) -> Iterator[str]:
+    """The inputs of a file, streamed: its lines (text), or one column of a jsonl/csv/tsv file
+    (`column`; default `source`, else `text`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"--input {path}: no such file")
+    fmt = input_format(path)
+    if fmt == "text":
+        if column is not None:
+            raise RunError(f"--column {column}: {path} is plain text (one input per line); "
+                           "columns are read from .jsonl, .csv and .tsv files")
+        with open(path, encoding="utf-8", errors="replace", newline="\n") as file:
+            for line in file:
+                yield line.rstrip("\n").rstrip("\r")
+        return
+    with open(path, encoding="utf-8", errors="replace", newline="") as file:
+        if fmt == "jsonl":
+            rows: Iterable = (_json_row(path, n, line) for n, line in enumerate(file, 1) if line.strip())
+        else:
+            rows = csv.DictReader(file, delimiter="\t" if fmt == "tsv" else ",")
+        for n, row in enumerate(rows, 1):
+            if column is None:
+                column = "source" if "source" in row else "text"
+            if column not in row:
+                raise RunError(f"--input {path}: row {n} has no column {column!r} (it has {sorted(row)}); "
+                               "choose one with --column")
+            value = row[column]
+            yield "" if value is None else str(value)
+
+
+def _json_row(path: Path, n: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except ValueError as error:
+        raise RunError(f"--input {path}: line {n} is not JSON ({error})") from None
+    if not isinstance(row, dict):
+        raise RunError(f"--input {path}: line {n} is not a JSON object")
+    return row
+
+
+def chunks(items: Iterable[str], size: int = CHUNK_LINES) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def count_inputs(path: Path) -> int | None:
+    """Lines of a text or jsonl file (the progress bar's total); None for csv/tsv, whose rows
+    may span lines."""
+    if input_format(path) not in ("text", "jsonl"):
+        return None
+    from .data.files import count_lines
+
+    return count_lines(path)
+
+
+def one_line(text: str) -> str:
+    """One output per line: newlines inside an output become spaces (jsonl output keeps them)."""
+    return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
+
+
+def generate_file(generate: BatchGenerator, path: str | Path, out: TextIO, *, column: str | None = None,
+                  jsonl: bool = False, chunk_lines: int = CHUNK_LINES, progress_bar: bool = True) -> int:
+    """Write an output line for every input of `path` to `out`, in input order; returns the
+    count. jsonl: one {"input": ..., "output": ...} object per line."""
+    from tqdm import tqdm
+
+    path = Path(path)
+    done = 0
+    with tqdm(total=count_inputs(path), unit="input", desc="generate", file=sys.stderr, disable=not progress_bar,
+              dynamic_ncols=True) as bar:
+        for chunk in chunks(read_inputs(path, column), chunk_lines):
+            outputs = generate(chunk, first_index=done, progress=bar.update)
+            for text, output in zip(chunk, outputs):
+                out.write(json.dumps({"input": text, "output": output}, ensure_ascii=False) if jsonl
+                          else one_line(output))
+                out.write("\n")
+            out.flush()
+            done += len(chunk)
+    generate.notes.finish()
+    return done
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def translation_scores(generate: BatchGenerator, pairs: Iterable[tuple[str, str]], *, limit: int | None = None,
+                       progress_bar: bool = True) -> dict:
+    """Corpus BLEU (Papineni et al. 2002) and chrF (Popović 2015) with sacrebleu's defaults of
+    the outputs for the sources of `pairs` against their raw target text (the first `limit`
+    pairs), with sacrebleu's signatures, which name everything that changes a score."""
+    from itertools import islice
+
+    from sacrebleu.metrics import BLEU, CHRF
+    from tqdm import tqdm
+
+    hypotheses: list[str] = []
+    references: list[str] = []
+    with tqdm(total=limit, unit="sentence", desc="translate", file=sys.stderr, disable=not progress_bar,
+              dynamic_ncols=True) as bar:
+        for chunk in chunks(islice(pairs, limit)):
+            hypotheses += generate([source for source, _ in chunk], first_index=len(references), progress=bar.update)
+            references += [target for _, target in chunk]
+    generate.notes.finish()
+    if not references:
+        raise RunError("no sentence pairs to score")
+    bleu, chrf = BLEU(), CHRF()
+    return {"bleu": bleu.corpus_score(hypotheses, [references]).score,
+            "chrf": chrf.corpus_score(hypotheses, [references]).score,
+            "sentences": len(references), "num_beams": generate.decoding.num_beams,
+            "length_penalty": generate.decoding.length_penalty if generate.decoding.num_beams > 1 else None,
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
