@@ -355,3 +355,37 @@ def test_attend_math_path_is_the_reference_for_interval_masks():
     mask = interval_mask(torch.arange(11), 11, causal=True, window=3)
     got = attend(q, k, v, mask.dense_bias(torch.float32), is_causal=False, scale=0.5, dropout=0.0, impl="math")
     torch.testing.assert_close(got, reference_attention(q, k, v, banded_reference(11, 3, True), 0.5))
+
+
+# ----------------------------------------------------------------------------- recipes
+
+NEW_RECIPES = {"tiny-clm-sliding-window": "sliding_window", "tiny-clm-linear": "attention_kind",
+               "tiny-clm-document-mask": "document_mask", "tiny-mlm-longformer": "global_tokens"}
+
+
+@pytest.mark.usefixtures("one_thread", "private_cache")
+@pytest.mark.parametrize("name", sorted(NEW_RECIPES))
+def test_each_efficient_attention_recipe_trains_a_few_steps(name, tmp_path):
+    """Each option's recipe runs end to end at test_cli's small sizes (window and global token
+    counts shrunk with the blocks, so they still cut the attention)."""
+    import json
+    import math
+    from pathlib import Path
+
+    from test_cli import SMALL  # the tiny runs' small sizes (about 3 s a recipe)
+
+    from lit_transformer.cli import main
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{name}.yaml"
+    extra = ["model.sliding_window=8"] if "window" in name or "longformer" in name else []
+    assert main(["pretrain", str(recipe), *SMALL, "tokenizer.vocab_size=400", f"run.dir={tmp_path}", *extra]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert math.isfinite(metrics["val/loss"])
+    from lit_transformer.model.interop import load_pretrained
+
+    loaded = load_pretrained(tmp_path)  # the run's model loads back with the option on
+    option = NEW_RECIPES[name]
+    if option == "document_mask":
+        assert loaded.config.attention_kind == "softmax"
+    else:
+        assert getattr(loaded.config, option) not in (None, 0, "softmax")
