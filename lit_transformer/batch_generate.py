@@ -233,6 +233,8 @@ def generate_file(generate: BatchGenerator, path: str | Path, out: TextIO, *, co
     from tqdm import tqdm
 
     path = Path(path)
+    if not path.is_file():
+        raise RunError(f"--input {path}: no such file")
     done = 0
     with tqdm(total=count_inputs(path), unit="input", desc="generate", file=sys.stderr, disable=not progress_bar,
               dynamic_ncols=True) as bar:

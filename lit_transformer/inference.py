@@ -145,6 +145,8 @@ def generate_file(target: str, input: str, output: str | None = None, *, column:
     order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout."""
     import sys
 
+    if not Path(input).is_file():  # before loading the model
+        raise RunError(f"--input {input}: no such file")
     generate_text = batch_generator(target, decoding_options(**decoding), batch_size=batch_size)
     if output is None:
         return run_file(generate_text, input, sys.stdout, column=column, progress_bar=progress_bar)
