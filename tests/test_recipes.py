@@ -78,7 +78,7 @@ UNLIKE_GPT2 = dict(
     relative_max_distance=64, norm="rmsnorm", norm_eps=1e-6, norm_position="post", embedding_norm=True,
     activation="swiglu", bias=False, dropout=0.2, attention_dropout=0.05, scale_embeddings=True,
     scale_attention=False, type_vocab_size=2, tie_embeddings=False, lm_head="bert_mlm",
-    scale_decoder_output=True, init_std=0.03, attention_impl="math",
+    scale_decoder_output=True, init_std=0.03, attention_impl="math", sliding_window=16, global_tokens=1,
 )
 
 
@@ -87,10 +87,13 @@ def test_every_model_field_reaches_the_model_config(tmp_path):
     over a preset that differs in every one (a field added to the core must join UNLIKE_GPT2)."""
     want = TransformerConfig(**UNLIKE_GPT2)
     base = preset("gpt2-small").to_dict()
-    assert {k for k, v in want.to_dict().items() if base[k] != v} == {f.name for f in dataclasses.fields(TransformerConfig)}
+    every = {f.name for f in dataclasses.fields(TransformerConfig)} - {"attention_kind"}  # linear excludes a window
+    assert {k for k, v in want.to_dict().items() if base[k] != v} == every
     path = write(tmp_path, "all.yaml", "objective:\n  name: span\nmodel:\n  preset: gpt2-small\n")
     cfg = load_recipe(path, [f"model.{k}={v}" for k, v in UNLIKE_GPT2.items()])
     assert model_config(cfg) == want
+    linear = load_recipe(path, ["model.arch=encoder_decoder", "model.attention_kind=linear", "model.attention_dropout=0"])
+    assert model_config(linear).attention_kind == "linear"
 
 
 def test_a_single_value_is_a_list_of_one(tmp_path):
