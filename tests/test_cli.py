@@ -18,7 +18,7 @@ from lit_transformer.config import load_recipe
 from lit_transformer.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "export")
+COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "average", "export")
 
 # A few steps of each tiny recipe at the smallest sizes that still learn something: small
 # tokenizers trained on 150 kB, one 24-wide layer, warmup off so that 6 steps move the loss.

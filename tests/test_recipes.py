@@ -23,6 +23,8 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "t5-base-span": (220, 224),  # Raffel et al. 2020: 220M
     "transformer-base-wmt": (60, 66),  # Vaswani et al. 2017 Table 3: 65M
     "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
+    "tatoeba-translation": (7, 8.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
+    "wmt-news-translation": (7, 8.5),
 }
 
 
@@ -69,6 +71,15 @@ def test_paper_recipes_keep_the_papers_settings():
     assert model_config(wmt).norm_position == "post"
     assert load_recipe(RECIPES / "t5-base-span.yaml").trainer.precision.startswith("bf16")
     assert model_config(load_recipe(RECIPES / "llama-style-clm.yaml")).n_kv_heads == 4
+
+
+@pytest.mark.parametrize("name", ["transformer-base-wmt", "tatoeba-translation", "wmt-news-translation"])
+def test_translation_recipes_decode_and_average_as_the_paper(name):
+    """Vaswani et al. 2017, 6.1: beam 4, length penalty 0.6, the average of the last 5 checkpoints."""
+    cfg = load_recipe(RECIPES / f"{name}.yaml")
+    assert (cfg.objective.name, cfg.objective.num_beams, cfg.objective.length_penalty) == ("seq2seq", 4, 0.6)
+    assert cfg.trainer.average_last == 5 and cfg.optim.label_smoothing == 0.1
+    assert cfg.optim.schedule == "inverse_sqrt" and cfg.tokenizer.kind == "bpe"
 
 
 # Every field unlike gpt2-small's (the test checks that), in a combination the core accepts.
