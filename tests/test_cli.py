@@ -164,7 +164,8 @@ EXPECTED_KEYS = {
     "tiny-mlm": {"loss", "perplexity", "bits_per_byte", "accuracy"},
     "tiny-clm": {"loss", "perplexity", "bits_per_byte"},
     "tiny-span": {"loss", "perplexity", "bits_per_byte", "accuracy"},
-    "tiny-seq2seq": {"loss", "perplexity", "bits_per_byte", "accuracy", "bleu"},
+    "tiny-seq2seq": {"loss", "perplexity", "bits_per_byte", "accuracy", "bleu", "chrf", "sentences", "num_beams",
+                     "length_penalty", "bleu_signature", "chrf_signature"},
     "tiny-classify": {"loss", "accuracy", "macro_f1"},
 }
 
