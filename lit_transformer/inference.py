@@ -68,7 +68,7 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
     dm = data_module(cfg, None)
     module = load_for_evaluation(source, cfg, dm)
     batches = dm.val_dataloader()
-    if not batches:
+    if isinstance(batches, list):  # [] when there is no split; a streaming DataLoader has no len()
         raise RunError(f"{target}: the data has no validation split")
     batches = module.evaluation_batches(batches, dm.label_names, label_names(source))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
