@@ -12,12 +12,13 @@ from typing import Any, Sequence
 
 import torch
 
-from . import objectives, registry
+from . import objectives, preflight, registry
 from .checkpointing import check_architecture, read_checkpoint
 from .config import check_fits, model_config, model_overrides, save_config
 from .distributed import meta_language_model
 from .errors import RunError
-from .loading import Source, consolidated, load_backbone, resolve_source, save_final, with_overrides
+from .loading import (Source, consolidated, load_backbone, resolve_source, save_final, source_model_config,
+                      with_overrides)
 from .model.config import TransformerConfig
 from .model.language_model import LanguageModel
 from .prompts import complete, encode_prompt, show_prompt
@@ -42,7 +43,8 @@ def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | No
     """The prepared data module for the objective's data kind (registry spec)."""
     from .data.module import TextDataModule
 
-    dm = TextDataModule(cfg.data, cfg.tokenizer, registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed,
+    data = dataclasses.replace(cfg.data, num_workers=preflight.capped_workers(cfg))
+    dm = TextDataModule(data, cfg.tokenizer, registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed,
                         run_dir=str(run_dir) if run_dir is not None else None, model_vocab_size=model_vocab_size)
     dm.prepare_data()
     dm.setup("fit")
@@ -97,11 +99,13 @@ def cpu_threads(n: int | None):
 def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict[str, float]:
     import lightning as L
 
+    source = resolve_source(cfg.finetune.from_) if cfg.finetune.from_ is not None else None
+    # before anything is written or spawned: the devices, the cores and the memory it needs
+    preflight.check(cfg, model_config(cfg) if source is None else source_model_config(source))
     run_dir, ckpt = open_run_dir(cfg)
     if ckpt is None:
         save_config(cfg, run_dir / CONFIG_YAML)  # first, so that a run that fails later can be started again
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    source = resolve_source(cfg.finetune.from_) if cfg.finetune.from_ is not None else None
     model = starting_model(cfg, source)
     vocab = model.vocab_size if isinstance(model, TransformerConfig) else model.config.vocab_size
     dm = data_module(cfg, run_dir, vocab)
@@ -178,8 +182,8 @@ def sample_fn(cfg: RunConfig, dm):
     if g.prompts:
         prompts = [encode_prompt(p, tokenizer, special, style) for p in g.prompts]
     else:
-        loader = dm.val_dataloader()
-        batch = next(iter(loader), None) if loader else None
+        # no truth test on the loader: a streaming split's DataLoader has no len()
+        batch = next(iter(dm.val_dataloader()), None)
         prompts = []
         if batch is not None:
             for ids, mask in zip(batch["input_ids"][: g.num_prompts], batch["attention_mask"][: g.num_prompts]):

@@ -143,6 +143,8 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each block in backward: memory for ~1 more forward
     # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     nonfinite_patience: int = 10
+    # refuse at start-up a run whose ranks need more memory than the machine has (preflight.py)
+    check_memory: bool = True
 
     def __post_init__(self):
         for key in ("max_steps", "accumulate_grad_batches", "val_check_interval", "log_every_n_steps",

@@ -1,0 +1,185 @@
+"""Start-up checks of what a recipe asks of the machine, before anything is written or spawned:
+devices that exist, data-loader workers the cores can feed, and memory one rank needs.
+
+A recipe written for 8 GPUs (recipes/base/paper.yaml) and started on a 2-core CPU machine
+would otherwise spawn 8 processes with 4 workers each and be killed by the kernel's
+out-of-memory killer minutes later, without a message.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .config import longest_input
+from .errors import RecipeError
+from .model.config import TransformerConfig
+from .schema import RunConfig
+
+GB = 1e9
+# Resident memory of one training process before the model: Python, torch, Lightning, datasets,
+# tokenizers and wandb imported (measured here: 0.52 GB with /usr/bin/time -v).
+PROCESS_BYTES = int(0.6 * GB)
+# A data-loader worker is a fork of its rank; copy-on-write keeps most pages shared, but the
+# interpreter's reference counts touch some (an estimate, not a measurement of every corpus).
+WORKER_BYTES = int(0.25 * GB)
+LOSS_CHUNK_ROWS = 2048  # objectives/fused_loss.py's CHUNK_ROWS (a layer below: not imported)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_memory() -> int:
+    """Bytes of the first GPU (ranks get one GPU each; nodes are alike)."""
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def on_gpu(cfg: RunConfig) -> bool:
+    accelerator = cfg.trainer.accelerator
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpu_count() > 0)
+
+
+def processes_per_node(cfg: RunConfig) -> int:
+    """Lightning's process count on this node: `devices`, with "auto" meaning every GPU, or one
+    process on a CPU."""
+    devices = cfg.trainer.devices
+    if devices == "auto":
+        return max(gpu_count(), 1) if on_gpu(cfg) else 1
+    return int(devices)
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """One line naming the keys to change when the recipe asks for devices that are not here."""
+    t, gpus = cfg.trainer, gpu_count()
+    if t.accelerator in ("gpu", "cuda") and gpus == 0:
+        raise RecipeError(f"trainer.accelerator={t.accelerator} but this machine has no CUDA GPU; "
+                          "set trainer.accelerator=cpu (or auto)")
+    wanted = processes_per_node(cfg)
+    if on_gpu(cfg):
+        if wanted > gpus:
+            raise RecipeError(f"trainer.devices={t.devices} but this machine has {gpus} GPU(s); set "
+                              f"trainer.devices={gpus} (and raise trainer.accumulate_grad_batches by the same "
+                              "factor to keep the global batch)")
+        return
+    cores = cpu_cores()
+    if wanted > cores:
+        # a CPU "device" is a process: more of them than cores only time-slice the same cores
+        raise RecipeError(
+            f"trainer.devices={t.devices} asks for {wanted} processes but this machine has no GPU and {cores} CPU "
+            f"core(s); to run here set trainer.devices=1 (up to {cores}) and "
+            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches * wanted} to keep the global batch")
+
+
+def workers_limit(cfg: RunConfig) -> int:
+    """The data-loader workers one rank may start: the cores it has (at least one)."""
+    return max(cpu_cores() // processes_per_node(cfg), 1)
+
+
+def capped_workers(cfg: RunConfig) -> int:
+    """data.num_workers, at most the cores one rank has (a notice on stderr when capped)."""
+    wanted, per_rank = cfg.data.num_workers, workers_limit(cfg)
+    if wanted <= per_rank:
+        return wanted
+    print(f"data.num_workers={wanted} capped to {per_rank}: {cpu_cores()} CPU core(s) shared by "
+          f"{processes_per_node(cfg)} process(es)", file=sys.stderr)
+    return per_rank
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    states: int  # weights, gradients and AdamW moments held by one rank
+    activations: int  # kept for backward, one micro-batch, logits included
+    tokens: int  # the longest sequence the estimate assumed
+
+    @property
+    def per_rank(self) -> int:
+        return self.states + self.activations
+
+
+def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
+    """What one rank holds while training, from the config alone (README, "Memory"): states at
+    16 bytes per parameter (8 in bf16-true), divided over the ranks under FSDP; activations
+    from Korthikanti et al. 2022 (table 2): 34 * T * d_model bytes per layer and sequence in 16-bit,
+    its MLP share (19 of 34, for d_ff = 4 d_model) scaled by d_ff, doubled in float32; plus one
+    chunk of the loss's float32 logits. Sequences at their configured maximum length."""
+    from .model.accounting import count_parameters
+
+    t = cfg.trainer
+    params = count_parameters(model)
+    states = params * (8 if t.precision == "bf16-true" else 16)
+    if t.strategy == "fsdp":
+        states //= processes_per_node(cfg) * t.num_nodes
+    _, tokens = longest_input(cfg)
+    batch = cfg.data.batch_size
+    width = 2 if t.precision == "32-true" else 1  # bytes per element over the 16-bit formula's 2
+    per_token_layer = (15 * model.d_model + 19 * model.d_ff / 4) * width
+    if t.activation_checkpointing:  # block inputs only, plus one block recomputed at a time
+        per_token_layer = 2 * model.d_model * width
+    layers = model.n_layers
+    if model.arch == "encoder_decoder":  # a decoder layer adds cross-attention: about half a layer more
+        layers += model.decoder_layers * 3 / 2
+    activations = per_token_layer * layers * tokens * batch
+    if t.activation_checkpointing:
+        activations += (15 * model.d_model + 19 * model.d_ff / 4) * width * tokens * batch
+    # the LM head's logits exist one chunk of rows at a time (objectives/fused_loss.py): float32
+    # logits, their log-softmax and gradient for at most CHUNK_ROWS rows
+    logits = 3 * 4 * min(batch * tokens, LOSS_CHUNK_ROWS) * model.vocab_size
+    return MemoryEstimate(states=int(states), activations=int(activations + logits), tokens=tokens)
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
+    """One line when one node's ranks cannot fit, naming the keys that shrink the need."""
+    need = estimate(cfg, model)
+    fixes = ("lower data.batch_size (raise trainer.accumulate_grad_batches to keep the global batch), "
+             "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway")
+    shape = (f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at "
+             f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens")
+    if on_gpu(cfg):
+        total = gpu_memory()
+        if need.per_rank > total:
+            raise RecipeError(f"one GPU needs about {need.per_rank / GB:.1f} GB ({shape}) but has "
+                              f"{total / GB:.1f} GB; {fixes}")
+        return
+    available = available_memory()
+    if available is None:
+        return
+    ranks = processes_per_node(cfg)
+    total = ranks * (need.per_rank + PROCESS_BYTES) + ranks * min(cfg.data.num_workers, workers_limit(cfg)) * WORKER_BYTES
+    if total > available:
+        raise RecipeError(f"{ranks} process(es) x about {(need.per_rank + PROCESS_BYTES) / GB:.1f} GB each ({shape}) "
+                          f"need about {total / GB:.1f} GB but this machine has {available / GB:.1f} GB available; "
+                          f"{fixes}")
+
+
+def check(cfg: RunConfig, model: TransformerConfig) -> None:
+    """Every start-up check, in the launching process only: ranks that Lightning or torchrun
+    start later find the machine already loaded by their siblings."""
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        return
+    check_devices(cfg)
+    if cfg.trainer.check_memory:
+        check_memory(cfg, model)

@@ -1,0 +1,121 @@
+"""Start-up checks (preflight.py): a recipe that asks for more devices, cores or memory than the
+machine has stops before anything is written or spawned, in one line naming the keys to change.
+The machine is faked (cores, GPUs, available memory) so the tests say the same on any host."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from lit_transformer import preflight
+from lit_transformer.cli import main
+from lit_transformer.config import load_recipe, model_config
+from lit_transformer.errors import RecipeError
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+GiB = 1 << 30
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A 2-core, 24 GiB machine without GPUs (the CI machine); tests change what they need."""
+    spec = {"cores": 2, "gpus": 0, "memory": 24 * GiB, "gpu_memory": 80 * GiB}
+    monkeypatch.setattr(preflight, "cpu_cores", lambda: spec["cores"])
+    monkeypatch.setattr(preflight, "gpu_count", lambda: spec["gpus"])
+    monkeypatch.setattr(preflight, "available_memory", lambda: spec["memory"])
+    monkeypatch.setattr(preflight, "gpu_memory", lambda: spec["gpu_memory"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return spec
+
+
+def translation_files(root: Path) -> list[str]:
+    """The README's translation example's keys, on a few aligned sentence pairs."""
+    files = {}
+    for name, lines in (("train.en", ["a small house", "the red car"] * 20), ("train.de", ["ein kleines haus", "das rote auto"] * 20),
+                        ("valid.en", ["a red house"] * 4), ("valid.de", ["ein rotes haus"] * 4)):
+        (root / name).write_text("\n".join(lines) + "\n")
+        files[name] = root / name
+    return [f"data.source_files=[{files['train.en']}]", f"data.target_files=[{files['train.de']}]",
+            f"data.val_source_files=[{files['valid.en']}]", f"data.val_target_files=[{files['valid.de']}]"]
+
+
+def wmt(tmp_path: Path, *extra: str):
+    return load_recipe(RECIPES / "transformer-base-wmt.yaml", [*translation_files(tmp_path), "trainer.max_steps=2",
+                                                             *extra])
+
+
+def test_the_readme_translation_example_stops_at_once_naming_the_keys(machine, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    code = main(["pretrain", str(RECIPES / "transformer-base-wmt.yaml"), *translation_files(tmp_path),
+                 "trainer.max_steps=2", f"run.dir={run_dir}"])
+    assert code == 2 and time.perf_counter() - start < 30
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: trainer.devices=8") and "\n" not in err, err
+    assert "trainer.devices=1" in err and "trainer.accumulate_grad_batches=8" in err
+    assert not run_dir.exists()  # nothing written
+
+
+def test_the_changed_keys_pass_every_check(machine, tmp_path):
+    cfg = wmt(tmp_path, "trainer.devices=1", "trainer.accumulate_grad_batches=8")
+    preflight.check(cfg, model_config(cfg))
+    assert preflight.capped_workers(cfg) == 2  # paper.yaml's 4 workers, for 2 cores
+
+
+def test_gpus_are_counted(machine, tmp_path):
+    machine["gpus"] = 2
+    with pytest.raises(RecipeError, match=r"trainer.devices=8 but this machine has 2 GPU\(s\); set trainer.devices=2"):
+        preflight.check_devices(wmt(tmp_path))
+    machine["gpus"] = 0
+    with pytest.raises(RecipeError, match="trainer.accelerator=gpu but this machine has no CUDA GPU"):
+        preflight.check_devices(wmt(tmp_path, "trainer.accelerator=gpu", "trainer.devices=1"))
+    preflight.check_devices(wmt(tmp_path, "trainer.devices=2"))  # two CPU processes on two cores
+
+
+def test_workers_are_capped_by_the_cores_of_each_rank(machine, tmp_path, capsys):
+    machine["cores"] = 8
+    assert preflight.capped_workers(wmt(tmp_path, "trainer.devices=2")) == 4
+    assert capsys.readouterr().err == ""
+    assert preflight.capped_workers(wmt(tmp_path, "trainer.devices=4")) == 2
+    assert "data.num_workers=4 capped to 2" in capsys.readouterr().err
+
+
+def test_a_run_that_cannot_fit_in_memory_stops_naming_the_keys(machine, tmp_path):
+    cfg = wmt(tmp_path, "trainer.devices=1")
+    need = preflight.estimate(cfg, model_config(cfg))
+    machine["memory"] = need.per_rank  # the process itself needs more than the states and activations
+    with pytest.raises(RecipeError, match="data.batch_size.*trainer.activation_checkpointing=true.*"
+                                          "trainer.check_memory=false"):
+        preflight.check(cfg, model_config(cfg))
+    unchecked = wmt(tmp_path, "trainer.devices=1", "trainer.check_memory=false")
+    preflight.check(unchecked, model_config(unchecked))
+    machine["gpus"], machine["gpu_memory"] = 1, need.per_rank // 2
+    with pytest.raises(RecipeError, match="one GPU needs about"):
+        preflight.check(cfg, model_config(cfg))
+
+
+def test_the_estimate_follows_the_strategy_precision_and_recomputation(machine, tmp_path):
+    base = wmt(tmp_path, "trainer.devices=2")
+    model = model_config(base)
+    ddp = preflight.estimate(base, model)
+    fsdp = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.strategy=fsdp"), model)
+    assert fsdp.states == ddp.states // 2 and fsdp.activations == ddp.activations
+    bf16 = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.precision=bf16-true"), model)
+    assert bf16.states == ddp.states // 2
+    recompute = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.activation_checkpointing=true"), model)
+    assert recompute.activations < ddp.activations / 3
+    assert ddp.tokens == 256  # data.max_length of the recipe
+
+
+def test_spawned_ranks_do_not_check_again(machine, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cfg = wmt(tmp_path)
+    preflight.check(cfg, model_config(cfg))  # rank 0 checked for the whole node
+
+
+def test_the_loss_chunk_is_the_fused_loss_chunk():
+    from lit_transformer.objectives.fused_loss import CHUNK_ROWS
+
+    assert preflight.LOSS_CHUNK_ROWS == CHUNK_ROWS
