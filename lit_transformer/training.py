@@ -91,6 +91,25 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
+def wandb_settings():
+    """W&B's own chatter off (the banner, run summary and sync hints; the README says where the
+    offline files are and how to sync): a failing run's one-line error stays the only line."""
+    import wandb
+
+    return wandb.Settings(silent=True)
+
+
+def quiet_lightning() -> None:
+    """Lightning's start-up banners (accelerators, AMP, a logging tip) and a deprecation warning
+    of its own code off stderr; its warnings stay. Our progress bar shows what matters."""
+    import logging
+    import warnings
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+
+
 def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[Logger]:
     """A CSV log (always; a resumed run writes the next csv/version_N) and W&B unless disabled."""
     loggers: list[Logger] = []
@@ -103,8 +122,10 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
         logger = WandbLogger(
             project=w.project, name=w.name or run_dir.resolve().name, entity=w.entity, tags=list(w.tags),
             save_dir=str(run_dir), id=wandb_run_id(run_dir, resume), resume="allow", mode=mode,
-            config=to_dict(cfg),
+            config=to_dict(cfg), settings=wandb_settings(),
         )
+        # Lightning passes anonymous=None, which this wandb warns about on every run
+        logger._wandb_init.pop("anonymous", None)
         loggers.append(logger)
     return loggers
 
@@ -282,6 +303,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, *, resume: bool = False, callba
     """The Lightning Trainer a recipe describes. Validation runs every trainer.val_check_interval
     optimizer steps across epoch boundaries (check_val_every_n_epoch=None)."""
     t = cfg.trainer
+    quiet_lightning()
     loggers = build_loggers(cfg, run_dir, resume=resume)
     return L.Trainer(
         accelerator=t.accelerator,

@@ -21,6 +21,7 @@ Rules (each counted in `ReadStats` and reported by `prepare`):
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import socket
@@ -238,14 +239,33 @@ def load_table(paths: list[Path], fmt: str, key: str, *, streaming: bool = False
     if not streaming:
         kwargs.update(num_proc=num_proc, cache_dir=cache_dir)
     try:
-        return datasets.load_dataset(BUILDERS[fmt], data_files=[str(p) for p in paths], split="train",
-                                     streaming=streaming, **kwargs)
+        with quiet_datasets():
+            return datasets.load_dataset(BUILDERS[fmt], data_files=[str(p) for p in paths], split="train",
+                                         streaming=streaming, **kwargs)
     except DataError:
         raise
     except Exception as exc:  # pyarrow / pandas parse errors: name the files
         names = ", ".join(str(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{key}: cannot read {names} as {fmt}: {first}") from exc
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' own progress bars and log lines ("Generating train split: ...") off: `prepare`
+    reports each split itself, and a bad column must reach the user as the only line on stderr."""
+    import datasets
+
+    was_enabled = datasets.utils.logging.is_progress_bar_enabled()
+    verbosity = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+        if was_enabled:
+            datasets.utils.logging.enable_progress_bar()
 
 
 def require_columns(column_names, wanted: dict[str, Optional[str]], where: str) -> None:
@@ -282,6 +302,7 @@ def load_hub(name: str, config: Optional[str], split: str, *, streaming: bool, c
 
     hub_available(name)
     try:
-        return datasets.load_dataset(name, config, split=split, streaming=streaming, cache_dir=cache_dir)
+        with quiet_datasets():
+            return datasets.load_dataset(name, config, split=split, streaming=streaming, cache_dir=cache_dir)
     except Exception as exc:
         raise DataError(f"data.hub_name={name!r} (config {config!r}, split {split!r}): {exc}") from exc
