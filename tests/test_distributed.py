@@ -258,3 +258,23 @@ def test_fsdp_strategy_and_16_mixed_refused_on_cpu(tmp_path):
     fp16 = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.precision=16-mixed", f"run.dir={tmp_path}"])
     with pytest.raises(RecipeError, match="16-mixed needs CUDA"):
         build_strategy(fp16)
+
+
+def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):
+    """`average` and trainer.average_last read FSDP2's sharded checkpoint directories: the mean of
+    a sharded last.ckpt and a one-file checkpoint (the one-process run's, every weight + 1, so that
+    the two differ) equals the mean of their weights."""
+    from lit_transformer import load_pretrained
+    from lit_transformer.averaging import average_state_dicts
+
+    shifted = torch.load(single / "clm" / "checkpoints" / "last.ckpt", weights_only=True)
+    shifted["state_dict"] = {k: v + 1 if v.is_floating_point() else v for k, v in shifted["state_dict"].items()}
+    torch.save(shifted, tmp_path / "shifted.ckpt")
+    mean = average_state_dicts([fsdp / "clm" / "checkpoints" / "last.ckpt", tmp_path / "shifted.ckpt"])
+    sharded, reference = load_pretrained(fsdp / "clm").state_dict(), load_pretrained(single / "clm").state_dict()
+    prefix = "model."  # the objective module holds the LanguageModel as .model
+    assert {prefix + name for name in sharded} <= set(mean)
+    for name, value in sharded.items():
+        if value.is_floating_point():
+            expected = (value + reference[name] + 1) / 2
+            assert torch.allclose(mean[prefix + name], expected, atol=1e-6), name
