@@ -177,6 +177,9 @@ class RollingKVCache(KVCache):
         """Write k, v (B, K, T, D) into the ring; return the keys and values to attend over,
         in the order `advance` returned their indices."""
         T, start, M = k.shape[2], self.length, self.window
+        # in the cache's dtype, as KVCache's slice assignment stores them (under bf16 autocast,
+        # e.g. BLEU decoding at validation, k and v are bf16 and the cache float32)
+        k, v = k.to(self.keys.dtype), v.to(self.values.dtype)
         slots = torch.arange(max(start, start + T - M), start + T, device=k.device) % M
         if T > 1:
             keys = torch.cat((self.keys[layer], k), dim=2)  # (B, K, M + T, D)

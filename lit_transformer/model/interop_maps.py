@@ -472,6 +472,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (BERT, GPT2, T5, LLAMA)}
 def family_for_export(cfg: TransformerConfig) -> Family:
     """The one transformers family whose layout matches the config's architecture and positions;
     the family's own checks then name any remaining field it cannot express."""
+    # Every family attends with full softmax attention: a window, global tokens or linear
+    # attention exported as one of them would load and run, and compute another function.
+    for name, full in (("sliding_window", None), ("global_tokens", 0), ("attention_kind", "softmax")):
+        if getattr(cfg, name) != full:
+            raise InteropError(f"cannot export to transformers: model.{name}={getattr(cfg, name)!r}; BERT, GPT-2, "
+                               f"T5 and LLaMA have full softmax attention only (model.{name}={full!r})")
     if cfg.arch == "encoder":
         return BERT
     if cfg.arch == "decoder" and cfg.position == "learned":

@@ -225,15 +225,28 @@ class ObjectiveBase(L.LightningModule):
             # on_before_optimizer_step instead, consistently everywhere.
         if not attached:
             return loss
-        self.log("train/loss", loss.detach(), prog_bar=True)
+        # the global batch's values, not rank 0's share of them (each rank's loss is its summed
+        # loss over the global count / W: their mean is the batch's loss); every rank is here
+        metrics = metrics or {}
+        logged = self._ranks_mean([loss, *([] if nll_mean is None else [nll_mean]), *metrics.values()])
+        self.log("train/loss", logged[0], prog_bar=True)
         if nll_mean is not None:
-            self.log("train/ppl", nll_mean.exp())
+            self.log("train/ppl", logged[1].exp())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/skipped_steps", float(self.skipped_steps))
-        for name, value in (metrics or {}).items():
+        for name, value in zip(metrics, logged[len(logged) - len(metrics):]):
             self.log(f"train/{name}", value)
         self._count_work(batch, flop_tokens, head_positions)
         return loss
+
+    def _ranks_mean(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each (scalar) value's mean over the ranks, in one all-reduce; as given in one process."""
+        values = [torch.as_tensor(v).detach() for v in values]
+        if self.trainer.world_size == 1 or not torch.distributed.is_initialized():
+            return values
+        total = torch.stack([v.to(torch.float64) for v in values])  # (N,)
+        torch.distributed.all_reduce(total)
+        return list((total / self.trainer.world_size).to(torch.float32).unbind())
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._window_start is None:
