@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
 from . import registry
+from .data.config import LM_OBJECTIVES
 from .data.errors import DataError
 from .errors import RecipeError
 from .model.config import ConfigError, TransformerConfig, preset
@@ -172,6 +173,9 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     if cfg.data.document_mask and cfg.objective.name not in DOCUMENT_MASK_OBJECTIVES:
         raise RecipeError(f"{source}: data.document_mask=true applies to objective.name in "
                           f"{list(DOCUMENT_MASK_OBJECTIVES)} (packed LM blocks), not {cfg.objective.name!r}")
+    if cfg.data.streaming and spec.data not in LM_OBJECTIVES:  # at load: a refused run writes nothing
+        raise RecipeError(f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
+                          f"not {cfg.objective.name!r}")
     if cfg.data.document_mask and model.attention_kind == "linear":
         raise RecipeError(f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
                           "(linear attention's running sums cross document boundaries)")

@@ -361,7 +361,7 @@ def test_refusal_row(row, tmp_path, capsys):
     run_dir = tmp_path / "run"
     assert main(pretrain_args(row, run_dir, f"trainer.max_steps={STEPS}")) == 2
     assert row.refuses in one_error_line(capsys)
-    assert not (run_dir / "checkpoints").exists()
+    assert not run_dir.exists()  # refused before anything is written: the corrected run may use the directory
 
 
 @pytest.mark.slow
