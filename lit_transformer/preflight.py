@@ -124,15 +124,14 @@ def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
     _, tokens = longest_input(cfg)
     batch = cfg.data.batch_size
     width = 2 if t.precision == "32-true" else 1  # bytes per element over the 16-bit formula's 2
-    per_token_layer = (15 * model.d_model + 19 * model.d_ff / 4) * width
-    if t.activation_checkpointing:  # block inputs only, plus one block recomputed at a time
-        per_token_layer = 2 * model.d_model * width
+    full_layer = (15 * model.d_model + 19 * model.d_ff / 4) * width  # per token
     layers = model.n_layers
     if model.arch == "encoder_decoder":  # a decoder layer adds cross-attention: about half a layer more
         layers += model.decoder_layers * 3 / 2
-    activations = per_token_layer * layers * tokens * batch
-    if t.activation_checkpointing:
-        activations += (15 * model.d_model + 19 * model.d_ff / 4) * width * tokens * batch
+    if t.activation_checkpointing:  # block inputs only, plus one block recomputed at a time
+        activations = (2 * model.d_model * width * layers + full_layer) * tokens * batch
+    else:
+        activations = full_layer * layers * tokens * batch
     # the LM head's logits exist one chunk of rows at a time (objectives/fused_loss.py): float32
     # logits, their log-softmax and gradient for at most CHUNK_ROWS rows
     logits = 3 * 4 * min(batch * tokens, LOSS_CHUNK_ROWS) * model.vocab_size

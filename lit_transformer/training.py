@@ -91,14 +91,6 @@ def wandb_run_id(run_dir: Path, resume: bool) -> str:
     return run_id
 
 
-def wandb_settings():
-    """W&B's own chatter off (the banner, run summary and sync hints; the README says where the
-    offline files are and how to sync): a failing run's one-line error stays the only line."""
-    import wandb
-
-    return wandb.Settings(silent=True)
-
-
 def quiet_lightning() -> None:
     """Lightning's start-up banners (accelerators, AMP, a logging tip) and a deprecation warning
     of its own code off stderr; its warnings stay. Our progress bar shows what matters."""
@@ -118,11 +110,15 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
         loggers.append(CSVLogger(save_dir=str(run_dir), name=CSV_DIR, flush_logs_every_n_steps=1))
     mode = wandb_mode(cfg.logger.wandb.mode)
     if mode is not None:
+        import wandb
+
         w = cfg.logger.wandb
         logger = WandbLogger(
             project=w.project, name=w.name or run_dir.resolve().name, entity=w.entity, tags=list(w.tags),
             save_dir=str(run_dir), id=wandb_run_id(run_dir, resume), resume="allow", mode=mode,
-            config=to_dict(cfg), settings=wandb_settings(),
+            # W&B's own chatter off (banner, run summary, sync hints; the README says where the
+            # offline files are and how to sync): a failing run's one-line error stays the only line
+            config=to_dict(cfg), settings=wandb.Settings(silent=True),
         )
         # Lightning passes anonymous=None, which this wandb warns about on every run
         logger._wandb_init.pop("anonymous", None)
