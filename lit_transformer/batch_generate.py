@@ -80,11 +80,13 @@ class BatchGenerator:
     """Text in, text out for a loaded model: encode, fit the context, sort, batch, decode."""
 
     def __init__(self, model, tokenizer, special, style: PromptStyle, decoding: Decoding, *, batch_size: int = 32,
-                 notes: ContextNotes | None = None):
+                 notes: ContextNotes | None = None, bidirectional_prompt: bool = False):
+        """bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete)."""
         if batch_size < 1:
             raise RunError(f"--batch-size {batch_size} must be at least 1")
         self.model, self.tokenizer, self.special, self.style = model.eval(), tokenizer, special, style
         self.decoding, self.batch_size = decoding, batch_size
+        self.bidirectional_prompt = bidirectional_prompt
         self.notes = notes if notes is not None else ContextNotes()
         self.context = model.config.max_seq_len
         self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(decoding.seed)
@@ -143,7 +145,8 @@ class BatchGenerator:
             rows = order[start:stop]
             self._say_cap(len(prompts[rows[0]]), budget)
             texts_out = complete(self.model, self.tokenizer, self.special, self.style, [prompts[i] for i in rows],
-                                 max_new_tokens=budget, generator=self.generator, **self.decoding.options())
+                                 max_new_tokens=budget, generator=self.generator,
+                                 bidirectional_prompt=self.bidirectional_prompt, **self.decoding.options())
             for i, text in zip(rows, texts_out):
                 outputs[i] = text
             if progress is not None:

@@ -46,8 +46,10 @@ def show_prompt(tokenizer, style: PromptStyle, ids: list[int]) -> str:
 
 
 def complete(model, tokenizer, special, style: PromptStyle, prompts: list[list[int]], *, max_new_tokens: int,
-             generator: torch.Generator | None = None, **options) -> list[str]:
-    """Generate from token-id prompts; returns the new text of each."""
+             generator: torch.Generator | None = None, bidirectional_prompt: bool = False,
+             **options) -> list[str]:
+    """Generate from token-id prompts; returns the new text of each. bidirectional_prompt: a
+    decoder reads its prompt bidirectionally (a model trained with prefix-LM attention modes)."""
     device = next(model.parameters()).device
     ids = pad(prompts, special.pad_id or 0).to(device)  # (B, T)
     mask = torch.zeros_like(ids)
@@ -59,6 +61,6 @@ def complete(model, tokenizer, special, style: PromptStyle, prompts: list[list[i
                    eos_token_id=special.separator_id if continues else special.eos_id,
                    pad_token_id=special.pad_id or 0,
                    decoder_start_token_id=None if continues else special.decoder_start_id,
-                   generator=generator, **options)
+                   generator=generator, bidirectional_prompt=bidirectional_prompt, **options)
     new = out[:, ids.shape[1]:] if continues else out[:, 1:]  # (B, G): after the prompt, or the start token
     return [decode_new(tokenizer, special, style, row) for row in new.tolist()]

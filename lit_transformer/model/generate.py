@@ -40,6 +40,8 @@ class GenerationConfig:
     pad_token_id: int = 0
     decoder_start_token_id: int | None = None  # encoder-decoder only; None: pad_token_id (T5)
     use_cache: bool = True
+    # decoder-only: the prompt attends bidirectionally (UniLM / prefix LM), the new tokens causally
+    bidirectional_prompt: bool = False
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -116,11 +118,13 @@ class StepDecoder:
     """The model side of the decoding loop: a pre-allocated token buffer (R, W), the optional
     KV cache, and next-token logits. Callers choose tokens, `append` them, and `reorder`
     rows for beam search. Decoder-only: the buffer holds the left-padded prompt then the new
-    tokens. Encoder-decoder: the prompt is encoded once; the buffer holds the decoder tokens."""
+    tokens. Encoder-decoder: the prompt is encoded once; the buffer holds the decoder tokens.
+    bidirectional_prompt (decoder-only; an encoder-decoder's encoder already is): the prompt's
+    tokens all see each other (prefix LM), the new tokens are causal."""
 
     def __init__(self, model: LanguageModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  *, max_new_tokens: int, use_cache: bool = True, pad_token_id: int = 0,
-                 decoder_start_token_id: int | None = None, expand: int = 1):
+                 decoder_start_token_id: int | None = None, expand: int = 1, bidirectional_prompt: bool = False):
         cfg = model.config
         if cfg.arch == "encoder":
             raise ValueError("generation needs a decoder; model.arch='encoder' has none "
@@ -176,6 +180,12 @@ class StepDecoder:
                     setattr(self, name, value.repeat_interleave(expand, dim=0))
         self.length = self.prompt_length
         self.cache = model.transformer.new_cache(B * expand, capacity=width) if use_cache else None
+        # The prompt fills buffer columns 0..T-1 (left-padded; the padding stays masked), so a
+        # prefix of T in key coordinates is the whole prompt, with or without the cache; every
+        # later token sees all of it anyway, so later steps may pass the same prefix.
+        self.prefix_lengths = None
+        if bidirectional_prompt and cfg.arch == "decoder":
+            self.prefix_lengths = torch.full((B * expand,), T, dtype=torch.long, device=device)  # (R,)
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -193,7 +203,8 @@ class StepDecoder:
             if self.padded and (self.cache is None or start == 0):
                 mask = self.mask[:, :self.length]
         hidden = self.model.transformer.decode(ids, mask, memory=self.memory, memory_mask=self.memory_mask,
-                                               position_ids=positions, cache=self.cache)  # (R, t, C)
+                                               position_ids=positions, cache=self.cache,
+                                               prefix_lengths=self.prefix_lengths)  # (R, t, C)
         return self.model.lm_head(hidden[:, -1:])[:, 0].float()  # only the last position: (R, V)
 
     def append(self, tokens: torch.Tensor) -> None:
@@ -228,6 +239,7 @@ def generate(
     pad_token_id: int = 0,
     decoder_start_token_id: int | None = None,
     use_cache: bool = True,
+    bidirectional_prompt: bool = False,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Continue the prompts input_ids (B, T) (padding marked 0 in attention_mask, either side).
@@ -235,7 +247,9 @@ def generate(
     Decoder-only: returns (B, T + G), the left-padded prompt then the new tokens.
     Encoder-decoder: returns (B, 1 + G), the decoder start token then the new tokens.
     After a row's eos, and for rows shorter than the longest, the rest is pad_token_id.
-    temperature, top_k and top_p apply only with do_sample=True. Runs in eval mode (dropout
+    temperature, top_k and top_p apply only with do_sample=True. bidirectional_prompt: a
+    decoder-only model reads the prompt bidirectionally (a UniLM / prefix-LM model); ignored
+    for encoder-decoder models. Runs in eval mode (dropout
     off) and restores the model's mode afterwards. A generator for sampling must live on the
     model's device.
     """
@@ -244,6 +258,7 @@ def generate(
         num_beams=num_beams, length_penalty=length_penalty, length_normalization=length_normalization,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         decoder_start_token_id=decoder_start_token_id, use_cache=use_cache,
+        bidirectional_prompt=bidirectional_prompt,
     )
     return generate_with(model, input_ids, attention_mask, config, generator=generator)
 
@@ -258,7 +273,7 @@ def generate_with(model: LanguageModel, input_ids: torch.Tensor, attention_mask:
         decoder = StepDecoder(
             model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, use_cache=config.use_cache,
             pad_token_id=config.pad_token_id, decoder_start_token_id=config.decoder_start_token_id,
-            expand=config.num_beams,
+            expand=config.num_beams, bidirectional_prompt=config.bidirectional_prompt,
         )
         if config.num_beams > 1:
             return beam_search(decoder, config)

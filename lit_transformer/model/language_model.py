@@ -63,11 +63,14 @@ class LanguageModel(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """prefix_lengths (B,): per-row attention modes of a decoder-only model (UniLM): 0 causal,
+        >= T bidirectional, p bidirectional over the first p tokens (Stack.forward)."""
         hidden = self.transformer(
             input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_attention_mask,
-            document_ids=document_ids,
+            document_ids=document_ids, prefix_lengths=prefix_lengths,
         )
         return self.lm_head(hidden)  # (B, T, V)
 
@@ -80,12 +83,13 @@ class LanguageModel(nn.Module):
 
     def logits_at(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, selected: torch.Tensor, *,
                   token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                  document_ids: torch.Tensor | None = None,
+                  prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, V) at the N positions where `selected` (B, T) is true, in row-major order.
         The head runs on those positions only: with BERT's 15% masking that skips ~85% of the
         vocabulary projection. One method (not the caller composing transformer and head) so a
         wrapper that hooks calls into this module (FSDP2's forward methods) sees one call."""
         hidden = self.transformer(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                                  document_ids=document_ids)  # (B, T, C)
+                                  document_ids=document_ids, prefix_lengths=prefix_lengths)  # (B, T, C)
         # boolean indexing has a data-dependent size (one host sync); the head then sees (N, C)
         return self.lm_head(hidden[selected])  # (N, V)

@@ -129,11 +129,18 @@ class Stack(nn.Module):
         memory_mask: torch.Tensor | None = None,
         cache: KVCache | LinearState | None = None,
         document_ids: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T), attention_mask (B, T) with 1 for real tokens -> hidden (B, T, C).
         document_ids (B, T): packed documents, each a contiguous run of one id; a token then
-        attends within its document only, and positions (unless given) restart at each one."""
+        attends within its document only, and positions (unless given) restart at each one.
+        prefix_lengths (B,): a causal stack's attention mode per row (UniLM, Dong et al. 2019;
+        prefix LM, Raffel et al. 2020): the query at key index q sees key j iff j <= q or
+        j < prefix_lengths[b], in key (cache) coordinates. 0 is causal, >= T bidirectional."""
         B, T = input_ids.shape
+        if prefix_lengths is not None:
+            self._check_prefix(prefix_lengths, B, document_ids, cache)
+            prefix_lengths = prefix_lengths.to(input_ids.device)
         past = cache.length if cache is not None else 0
         max_position = None
         if document_ids is not None:
@@ -153,7 +160,7 @@ class Stack(nn.Module):
         if self._structured(document_ids, cache):
             bias, is_causal = self._structured_bias(attention_mask, position_ids, document_ids, cache, dtype), False
         else:
-            bias, is_causal, _ = self._self_bias(attention_mask, position_ids, cache, dtype)
+            bias, is_causal, _ = self._self_bias(attention_mask, position_ids, cache, dtype, prefix_lengths)
         rope = None
         if self.cfg.position == "rope":
             rope = tuple(t.to(x.dtype) for t in rope_cos_sin(position_ids, self.cfg.dim_per_head, self.cfg.rope_base))
@@ -168,6 +175,23 @@ class Stack(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.final_dropout(x)
+
+    def _check_prefix(self, prefix_lengths, B, document_ids, cache) -> None:
+        """prefix_lengths need `_self_bias`'s dense bias: the structured masks (masks.py) hold
+        intervals ending at the query, and linear attention's running sums see no later key."""
+        if not self.causal:
+            raise ValueError("prefix_lengths (attention modes) are for causal stacks; an encoder is already "
+                             "bidirectional")
+        cfg = self.cfg
+        why = ("model.sliding_window is set" if cfg.sliding_window is not None
+               else "model.attention_kind='linear'" if cfg.attention_kind == "linear"
+               else "document_ids are given (packed rows)" if document_ids is not None
+               else "the cache is a RollingKVCache" if isinstance(cache, RollingKVCache) else None)
+        if why is not None:
+            raise ValueError(f"prefix_lengths (attention modes) need full softmax attention; {why}")
+        if prefix_lengths.shape != (B,) or prefix_lengths.is_floating_point() or prefix_lengths.dtype == torch.bool:
+            raise ValueError(f"prefix_lengths must be integers of shape ({B},), one per row; got "
+                             f"{prefix_lengths.dtype} of shape {tuple(prefix_lengths.shape)}")
 
     def _structured(self, document_ids, cache) -> bool:
         """Whether self-attention needs more than padding, causality and a position bias: the
@@ -214,9 +238,10 @@ class Stack(nn.Module):
             mask.block_mask = flex_block_mask(mask, B)  # used where the blocks run compiled (masks.py)
         return mask
 
-    def _self_bias(self, attention_mask, q_positions, cache, dtype):
+    def _self_bias(self, attention_mask, q_positions, cache, dtype, prefix_lengths=None):
         """One additive bias (B|1, H|1, T, S) for all layers, or None with `is_causal` so that
-        SDPA can take its fused causal kernel when there is nothing else to add."""
+        SDPA can take its fused causal kernel when there is nothing else to add. prefix_lengths
+        (B,): keys before a row's prefix length are visible to all its queries (Stack.forward)."""
         B, T = q_positions.shape
         if cache is not None:
             past = cache.length
@@ -240,7 +265,7 @@ class Stack(nn.Module):
                 position_bias = self.relative_bias(q_pos, k_pos)  # (B|1, H, T, S)
             else:
                 position_bias = alibi_bias(q_pos, k_pos, self.cfg.n_heads)
-        if key_mask is None and position_bias is None and past == 0:
+        if key_mask is None and position_bias is None and past == 0 and prefix_lengths is None:
             return None, self.causal, k_positions  # fused path: no bias tensor at all
         S = past + T
         keep = None  # (B|1, 1, T|1, S), broadcast as far as the mask allows
@@ -248,8 +273,14 @@ class Stack(nn.Module):
             keep = key_mask[:, None, None, :]  # (B, 1, 1, S)
         if self.causal:
             q_index = torch.arange(past, S, device=q_positions.device)[:, None]  # (T, 1) in cache coordinates
-            causal = torch.arange(S, device=q_positions.device)[None, :] <= q_index  # (T, S)
-            keep = causal[None, None] if keep is None else keep & causal
+            k_index = torch.arange(S, device=q_positions.device)  # (S,)
+            visible = (k_index[None, :] <= q_index)[None, None]  # (1, 1, T, S)
+            if prefix_lengths is not None:
+                # The prefix is read bidirectionally. A T5 bias of a causal stack puts every later
+                # key in the bucket of offset 0 (positions.t5_bucket); ALiBi's |p_q - p_k| is symmetric.
+                in_prefix = k_index[None, :] < prefix_lengths[:, None]  # (B, S)
+                visible = visible | in_prefix[:, None, None, :]  # (B, 1, T, S)
+            keep = visible if keep is None else keep & visible
         bias = None
         if keep is not None:
             bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, masked_value(dtype))
@@ -285,6 +316,16 @@ def _batch_shared(*positions: torch.Tensor) -> bool:
     return all(p.shape[0] == 1 or p.stride(0) == 0 for p in positions)
 
 
+def _refuse_prefix(arch: str) -> None:
+    """Attention modes exist for one stack that is causal by default: a decoder-only model."""
+    if arch == "encoder":
+        raise ValueError("prefix_lengths (attention modes) are for decoder-only models: an encoder is already "
+                         "bidirectional")
+    if arch == "encoder_decoder":
+        raise ValueError("prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
+                         "encoder is already bidirectional and its decoder stays causal")
+
+
 def _padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, S) bool -> additive (B, 1, 1, S)."""
     bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
@@ -315,13 +356,17 @@ class Transformer(nn.Module):
                             document_ids=document_ids)
 
     def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None, position_ids=None,
-               token_type_ids=None, cache: KVCache | LinearState | None = None, document_ids=None):
+               token_type_ids=None, cache: KVCache | LinearState | None = None, document_ids=None,
+               prefix_lengths=None):
         if self.decoder is None:
             raise ValueError(f"a {self.config.arch} model has no decoder")
         if self.config.arch == "encoder_decoder" and memory is None:
             raise ValueError("an encoder_decoder model's decoder needs the encoder output (memory)")
+        if prefix_lengths is not None:
+            _refuse_prefix(self.config.arch)
         return self.decoder(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
-                            memory=memory, memory_mask=memory_mask, cache=cache, document_ids=document_ids)
+                            memory=memory, memory_mask=memory_mask, cache=cache, document_ids=document_ids,
+                            prefix_lengths=prefix_lengths)
 
     def forward(
         self,
@@ -333,16 +378,20 @@ class Transformer(nn.Module):
         decoder_input_ids: torch.Tensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        prefix_lengths: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states of the last stack: (B, T, C); for encoder_decoder, (B, T_dec, C).
-        document_ids (B, T): packed documents of an encoder or decoder (Stack.forward)."""
+        document_ids (B, T): packed documents of an encoder or decoder (Stack.forward).
+        prefix_lengths (B,): per-row attention modes of a decoder-only model (Stack.forward)."""
         arch = self.config.arch
+        if prefix_lengths is not None:
+            _refuse_prefix(arch)
         if arch == "encoder":
             return self.encode(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
                                document_ids=document_ids)
         if arch == "decoder":
             return self.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
-                               document_ids=document_ids)
+                               document_ids=document_ids, prefix_lengths=prefix_lengths)
         if document_ids is not None:
             raise ValueError("document_ids are for encoder or decoder models (packed LM rows)")
         if decoder_input_ids is None:
