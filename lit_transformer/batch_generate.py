@@ -80,13 +80,16 @@ class BatchGenerator:
     """Text in, text out for a loaded model: encode, fit the context, sort, batch, decode."""
 
     def __init__(self, model, tokenizer, special, style: PromptStyle, decoding: Decoding, *, batch_size: int = 32,
-                 notes: ContextNotes | None = None, bidirectional_prompt: bool = False):
-        """bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete)."""
+                 notes: ContextNotes | None = None, bidirectional_prompt: bool = False,
+                 mode_token_id: int | None = None):
+        """bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete).
+        mode_token_id: a token put before every prompt, as a mixture's task put it before its inputs."""
         if batch_size < 1:
             raise RunError(f"--batch-size {batch_size} must be at least 1")
         self.model, self.tokenizer, self.special, self.style = model.eval(), tokenizer, special, style
         self.decoding, self.batch_size = decoding, batch_size
         self.bidirectional_prompt = bidirectional_prompt
+        self.lead = [mode_token_id] if mode_token_id is not None else []
         self.notes = notes if notes is not None else ContextNotes()
         self.context = model.config.max_seq_len
         self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(decoding.seed)
@@ -131,8 +134,8 @@ class BatchGenerator:
         """Outputs of `texts`, in their order. Batches hold prompts of similar length and the
         same new-token budget, so every prompt is decoded exactly as it would be alone (same
         max_new_tokens, its padding masked)."""
-        prompts = [self.fit(encode_prompt(t, self.tokenizer, self.special, self.style), f"input {first_index + i + 1}")
-                   for i, t in enumerate(texts)]
+        prompts = [self.fit(self.lead + encode_prompt(t, self.tokenizer, self.special, self.style),
+                            f"input {first_index + i + 1}") for i, t in enumerate(texts)]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: memory errors early
         outputs: list[str] = [""] * len(prompts)
         start = 0

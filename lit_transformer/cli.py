@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the recipe's data.max_target_length)")
     p.add_argument("--batch-size", type=int, default=32, metavar="N", help="translation: sentences decoded "
                    "together (default 32)")
+    p.add_argument("--task", metavar="NAME", help="a mixture run: only this task, with the single objective's "
+                   "keys (default: every task, keyed <task>/<metric>)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", **DEBUG)
 
@@ -86,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length-penalty", type=float, default=0.6, metavar="ALPHA",
                    help="beam search: GNMT's alpha, scores divided by ((5 + length) / 6) ** ALPHA (default 0.6)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bidirectional-prompt", action="store_true", help="a decoder reads the prompt "
+                   "bidirectionally, as a prefix (a mixture run that trained prefix_lm)")
+    p.add_argument("--mode-token", metavar="TOKEN", help="put this special token before every prompt, as a "
+                   "mixture's task did (e.g. [S2S] for UL2's S-denoiser)")
     p.add_argument("--debug", **DEBUG)
 
     p = sub.add_parser("info", help="parameters, training FLOPs and KV-cache size of a preset or recipe",
@@ -149,17 +155,19 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "evaluate":
         metrics = inference.evaluate(args.target, args.data, max_batches=args.max_batches, data_target=args.data_target,
                                      num_beams=args.num_beams, length_penalty=args.length_penalty,
-                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                     task=args.task)
         if args.json:
             print(json.dumps(metrics))
         else:
             for key, value in metrics.items():
-                print(f"{key:<16} {value:.4f}" if isinstance(value, float) else f"{key:<16} {value}")
+                print(f"{key:<24} {value:.4f}" if isinstance(value, float) else f"{key:<24} {value}")
         return 0
     if args.command == "generate":
         decoding = dict(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                         top_k=args.top_k or None, top_p=args.top_p, num_beams=args.num_beams,
-                        length_penalty=args.length_penalty, seed=args.seed)
+                        length_penalty=args.length_penalty, seed=args.seed,
+                        bidirectional_prompt=args.bidirectional_prompt, mode_token=args.mode_token)
         if args.input is not None:
             inference.generate_file(args.target, args.input, args.output, column=args.column,
                                     batch_size=args.batch_size, **decoding)

@@ -27,15 +27,15 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
-from . import registry
+from . import registry, tasks
 from .data.config import LM_OBJECTIVES
 from .data.errors import DataError
 from .errors import RecipeError
 from .model.config import ConfigError, TransformerConfig, preset
 from .schema import (
     ALIASES, FinetuneConfig, GenerationConfig, LoggerConfig, ModelSection, ObjectiveConfig, OptimConfig, RunConfig,
-    RunSection, TrainerConfig, WandbConfig, all_keys, field_type, is_list_type, rename, sections, to_internal,
-    to_public,
+    RunSection, TaskConfig, TrainerConfig, WandbConfig, all_keys, field_type, is_list_type, rename, sections,
+    to_internal, to_public,
 )
 
 __all__ = [  # the schema's sections are re-exported: `from lit_transformer.config import RunConfig`
@@ -56,6 +56,7 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         merged = _merge(merged, tree, source)
     if overrides:
         merged = _merge(merged, _parse_overrides(overrides), "command line")
+    _name_the_mixture(merged, str(path))
     try:
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except oc_errors.OmegaConfBaseException as error:
@@ -68,6 +69,9 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
         raise RecipeError(f"{path}: {error}") from None
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / path.stem)
+    for token in tasks.mode_tokens(cfg):  # the tokenizer gets the mixture's mode tokens as special tokens
+        if token not in cfg.tokenizer.extra_special_tokens:
+            cfg.tokenizer.extra_special_tokens.append(token)
     if cfg.trainer.precision is None:
         cfg.trainer.precision = default_precision(spec.precision, cfg.trainer.accelerator)  # type: ignore[assignment]
     if cfg.finetune.from_ is None:
@@ -155,7 +159,9 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
 
 
 def longest_input(cfg: RunConfig) -> tuple[str, int]:
-    """(key, value) of the longest sequence the objective feeds the model, from its spec."""
+    """(key, value) of the longest sequence the objective (or any task of a mixture) feeds the model."""
+    if cfg.tasks:
+        return tasks.longest_task_input(cfg)
     keys = registry.spec(cfg.objective.name).length_keys
     return max(((f"data.{k}", getattr(cfg.data, k)) for k in keys), key=lambda item: item[1])
 
@@ -167,13 +173,15 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     """The objective trains this architecture, and the data fits the learned position table.
     Called once a run's model config is known (at load, or after loading finetune.from)."""
     spec = registry.spec(cfg.objective.name)
-    if model.arch not in spec.archs:
+    if cfg.tasks:
+        tasks.check_mixture(cfg, model.arch, source)
+    elif model.arch not in spec.archs:
         raise RecipeError(f"{source}: objective.name={spec.name} needs model.arch in {list(spec.archs)}, "
                           f"got {model.arch!r}")
-    if cfg.data.document_mask and cfg.objective.name not in DOCUMENT_MASK_OBJECTIVES:
+    if cfg.data.document_mask and not cfg.tasks and cfg.objective.name not in DOCUMENT_MASK_OBJECTIVES:
         raise RecipeError(f"{source}: data.document_mask=true applies to objective.name in "
                           f"{list(DOCUMENT_MASK_OBJECTIVES)} (packed LM blocks), not {cfg.objective.name!r}")
-    if cfg.data.streaming and spec.data not in LM_OBJECTIVES:  # at load: a refused run writes nothing
+    if cfg.data.streaming and not cfg.tasks and spec.data not in LM_OBJECTIVES:  # at load: a refused run writes nothing
         raise RecipeError(f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
                           f"not {cfg.objective.name!r}")
     if cfg.data.document_mask and model.attention_kind == "linear":
@@ -259,7 +267,52 @@ def _parse_overrides(overrides: typing.Sequence[str]) -> Any:
     return _listify(tree)
 
 
+def _name_the_mixture(merged: Any, source: str) -> None:
+    """A recipe that lists tasks trains the registry's mixture objective; naming another
+    objective beside the tasks is an error (which one would it train?)."""
+    if not merged.tasks:
+        return
+    if OmegaConf.is_missing(merged.objective, "name"):
+        merged.objective.name = registry.MIXTURE
+    elif merged.objective.name != registry.MIXTURE:
+        raise RecipeError(f"{source}: objective.name={merged.objective.name} and tasks are both set: a recipe names "
+                          "one objective or lists tasks (a mixture of one task is the same run)")
+
+
+def _check_tasks(tree: Any, source: str) -> None:
+    """Each entry of a `tasks:` list against TaskConfig, so that an error names the task (OmegaConf
+    reports a key inside a list without its index)."""
+    if not isinstance(tree, dict) or "tasks" not in tree:
+        return
+    entries = tree["tasks"]
+    if not isinstance(entries, list):
+        raise RecipeError(f"{source}: tasks: expected a list of tasks, e.g. [{{name: clm, objective: clm}}]")
+    for index, entry in enumerate(entries):
+        where = f"tasks[{index}]"
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+            where += f" ({entry['name']})"
+        if not isinstance(entry, dict):
+            raise RecipeError(f"{source}: {where}: a task is a mapping with name and objective, got {entry!r}")
+        try:
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TaskConfig), entry))
+        except oc_errors.OmegaConfBaseException as error:
+            key = to_public(getattr(error, "full_key", "") or "")
+            if isinstance(error, oc_errors.ConfigKeyError):
+                names = [k.split(".", 1)[1] for k in all_keys(TaskConfig, "task.")]
+                match = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+                hint = f" (did you mean `{match[0]}`?)" if match else ""
+                raise RecipeError(f"{source}: {where}: unknown key {key}{hint}") from None
+            if isinstance(error, oc_errors.MissingMandatoryValue):
+                raise RecipeError(f"{source}: {where}: missing value for {key}") from None
+            message = _first_line(error).split(" Did you mean")[0]
+            raise RecipeError(f"{source}: {where}: {key}: {message}" if key else f"{source}: {where}: {message}") \
+                from None
+        except (DataError, ConfigError, RecipeError) as error:
+            raise RecipeError(f"{source}: {where}: {_first_line(error)}") from None
+
+
 def _merge(base: Any, tree: Any, source: str) -> Any:
+    _check_tasks(tree, source)
     try:
         return OmegaConf.merge(base, tree)
     except oc_errors.OmegaConfBaseException as error:

@@ -13,7 +13,8 @@ import torch
 
 from . import registry
 from .errors import RunError
-from .loading import label_names, load_for_evaluation, load_language_model, resolve_source, source_objective
+from .loading import (label_names, load_for_evaluation, load_language_model, resolve_source, source_model_config,
+                      source_objective)
 from .batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
 from .batch_generate import generate_file as run_file
 from .rundir import CONFIG_YAML
@@ -26,14 +27,17 @@ EVALUATE_NAMES = {"ppl": "perplexity", "bpb": "bits_per_byte", "masked_accuracy"
 
 def evaluate(target: str, data: str | None = None, *, max_batches: int | None = None, data_target: str | None = None,
              num_beams: int | None = None, length_penalty: float | None = None, max_new_tokens: int | None = None,
-             batch_size: int = 32, progress_bar: bool = True) -> dict[str, Any]:
+             batch_size: int = 32, task: str | None = None, progress_bar: bool = True) -> dict[str, Any]:
     """Validation metrics of a run (its final model) or checkpoint on its validation split or
     on `data` (a file in the run's data format, or with `data_target` a pair of aligned
     source/target files). Keys: loss, perplexity, bits_per_byte, accuracy, macro_f1, ... as fit
     the objective; a translation model (seq2seq with objective.bleu) also decodes every
     sentence (the first max_batches batches' worth with max_batches) and reports BLEU and chrF
     with sacrebleu's signatures. Decoding: objective.num_beams and objective.length_penalty
-    unless given, at most data.max_target_length new tokens unless given."""
+    unless given, at most data.max_target_length new tokens unless given.
+
+    A mixture run reports every task's metrics as `<task>/<metric>` (clm/bits_per_byte); with
+    `task`, that task's alone under the single objective's keys. `max_batches` counts per task."""
     from .data.corpus import build_sources
     from .data.files import ReadStats
     from .objectives import evaluate_batches
@@ -59,22 +63,30 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
         else:
             data_cfg = dataclasses.replace(data_cfg, train_files=[data], val_files=[data], source_files=[],
                                            target_files=[], val_source_files=[], val_target_files=[])
-    style = registry.spec(source_objective(source)).prompt
-    translation = style == "transform" and cfg.objective.bleu
+    style = registry.spec(source_objective(source)).prompt_for(source_model_config(source).arch)
+    translation = style == "transform" and cfg.objective.bleu and not cfg.tasks
     cfg = dataclasses.replace(cfg, data=data_cfg,
                               tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
                               # BLEU is decoded below, over every sentence, not a few validation batches
                               objective=dataclasses.replace(cfg.objective, bleu=False))
     dm = data_module(cfg, None)
     module = load_for_evaluation(source, cfg, dm)
-    batches = dm.val_dataloader()
-    if isinstance(batches, list):  # [] when there is no split; a streaming DataLoader has no len()
+    try:
+        streams = module.evaluation_streams(dm, task)
+    except KeyError as error:
+        raise RunError(f"{target}: {error.args[0]}") from None
+    # [] when there is no split (a streaming DataLoader has no len(), so no truth test)
+    if not streams or any(isinstance(batches, list) for _, batches in streams):
         raise RunError(f"{target}: the data has no validation split")
-    batches = module.evaluation_batches(batches, dm.label_names, label_names(source))
+    out: dict[str, Any] = {"objective": module.objective_name, **({"task": task} if task is not None else {})}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
-    with cpu_threads(cfg.trainer.num_threads), autocast:  # the precision the run trained with
-        values = evaluate_batches(module, batches, max_batches)
-    out = {"objective": module.objective_name, **{EVALUATE_NAMES.get(k, k): v for k, v in values.items()}}
+    for prefix, batches in streams:
+        batches = module.evaluation_batches(batches, dm.label_names, label_names(source))
+        with cpu_threads(cfg.trainer.num_threads), autocast:  # the precision the run trained with
+            values = evaluate_batches(module, batches, max_batches)
+        for key, value in values.items():
+            name = key.rsplit("/", 1)[-1]  # a mixture's metrics come as <task>/<name>
+            out[prefix + EVALUATE_NAMES.get(name, name)] = value
     if translation:
         decoding = decoding_options(
             max_new_tokens=max_new_tokens or cfg.data.max_target_length, greedy=True,
@@ -89,24 +101,35 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
     return out
 
 
-def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32,
-                    notes: ContextNotes | None = None) -> BatchGenerator:
-    """A run's model, tokenizer and prompt style, ready to generate from text."""
+def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32, notes: ContextNotes | None = None,
+                    bidirectional_prompt: bool = False, mode_token: str | None = None) -> BatchGenerator:
+    """A run's model, tokenizer and prompt style, ready to generate from text. A decoder may read
+    the prompt bidirectionally (a prefix, as a mixture's prefix LM trained it); a mode token (a
+    mixture's, e.g. [S2S]) is put before every prompt."""
     from .data.tokenizer import SpecialTokens, load_tokenizer
 
     source = resolve_source(target)
     if source.tokenizer is None:
         raise RunError(f"{target}: no tokenizer.json next to the model")
     objective = source_objective(source)
-    style = registry.spec(objective).prompt
+    arch = source_model_config(source).arch
+    style = registry.spec(objective).prompt_for(arch)
     if style is None:
-        generative = [name for name, spec in registry.SPECS.items() if spec.generative]
-        raise RunError(f"{target}: a {objective} model does not generate text; generate needs a "
-                       f"{', '.join(generative)} run")
+        generative = [name for name, spec in registry.SPECS.items() if spec.generative(arch)]
+        raise RunError(f"{target}: a {objective} {arch} model does not generate text; generate needs "
+                       f"a {', '.join(generative) or 'decoder or encoder-decoder'} run")
     model = load_language_model(source).eval()
     tokenizer = load_tokenizer(source.tokenizer)
+    if bidirectional_prompt and arch != "decoder":
+        raise RunError(f"--bidirectional-prompt: a {arch} model's prompt is read by its encoder, bidirectional already")
+    mode_id = None
+    if mode_token is not None:
+        mode_id = tokenizer.token_to_id(mode_token)
+        if mode_id is None or mode_token not in {t.content for t in tokenizer.get_added_tokens_decoder().values()}:
+            raise RunError(f"--mode-token {mode_token}: not a special token of {source.tokenizer}")
     return BatchGenerator(model, tokenizer, SpecialTokens.from_tokenizer(tokenizer), style, decoding,
-                          batch_size=batch_size, notes=notes)
+                          batch_size=batch_size, notes=notes, bidirectional_prompt=bidirectional_prompt,
+                          mode_token_id=mode_id)
 
 
 def decoding_options(*, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
@@ -129,25 +152,28 @@ def decoding_options(*, max_new_tokens: int = 64, greedy: bool = False, temperat
 
 def generate(target: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
              top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1, length_penalty: float = 0.6,
-             seed: int = 0) -> str:
+             seed: int = 0, bidirectional_prompt: bool = False, mode_token: str | None = None) -> str:
     """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model."""
     decoding = decoding_options(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k,
                                 top_p=top_p, num_beams=num_beams, length_penalty=length_penalty, seed=seed)
-    generate_text = batch_generator(target, decoding, batch_size=1)
+    generate_text = batch_generator(target, decoding, batch_size=1, bidirectional_prompt=bidirectional_prompt,
+                                    mode_token=mode_token)
     (text,) = generate_text([prompt])
     generate_text.notes.finish()
     return text
 
 
 def generate_file(target: str, input: str, output: str | None = None, *, column: str | None = None,
-                  batch_size: int = 32, progress_bar: bool = True, **decoding: Any) -> int:
+                  batch_size: int = 32, progress_bar: bool = True, bidirectional_prompt: bool = False,
+                  mode_token: str | None = None, **decoding: Any) -> int:
     """One output line per input of a file (its lines, or a jsonl/csv/tsv column), in input
     order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout."""
     import sys
 
     if not Path(input).is_file():  # before loading the model
         raise RunError(f"--input {input}: no such file")
-    generate_text = batch_generator(target, decoding_options(**decoding), batch_size=batch_size)
+    generate_text = batch_generator(target, decoding_options(**decoding), batch_size=batch_size,
+                                    bidirectional_prompt=bidirectional_prompt, mode_token=mode_token)
     if output is None:
         return run_file(generate_text, input, sys.stdout, column=column, progress_bar=progress_bar)
     try:

@@ -31,14 +31,18 @@ class ObjectiveSpec:
     archs: tuple[str, ...]  # the model.arch values it trains
     data: str  # the data pipeline's kind (collator, token cache), one of data.config.OBJECTIVES
     length_keys: tuple[str, ...]  # data keys that bound the sequences the model reads
-    prompt: Optional[PromptStyle]  # None: the objective does not write text
+    # None: the objective does not write text; a dict: the style by model.arch (a mixture)
+    prompt: Optional[PromptStyle] | dict[str, PromptStyle]
     lm_head: bool  # trains the language-model head (`export` writes it; classifiers have their own)
     precision: str  # trainer.precision when the recipe leaves it null
 
-    @property
-    def generative(self) -> bool:
+    def prompt_for(self, arch: str) -> Optional[PromptStyle]:
+        """How a model of this architecture trained with this objective turns a prompt into input."""
+        return self.prompt.get(arch) if isinstance(self.prompt, dict) else self.prompt
+
+    def generative(self, arch: str) -> bool:
         """Writes text: `generate`, and sample generations during validation."""
-        return self.prompt is not None
+        return self.prompt_for(arch) is not None
 
 
 SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
@@ -52,7 +56,14 @@ SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
                   prompt="transform", lm_head=True, precision="32-true"),
     ObjectiveSpec("classify", ("encoder", "decoder", "encoder_decoder"), "classify", ("max_length",),
                   prompt=None, lm_head=False, precision="32-true"),
+    # a recipe with `tasks:` (tasks.py): its tasks' data kinds and lengths are checked per task; a
+    # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq)
+    ObjectiveSpec("mixture", ("encoder", "decoder", "encoder_decoder"), "mixture", ("block_size",),
+                  prompt={"decoder": "continue", "encoder_decoder": "transform"}, lm_head=True,
+                  precision="32-true"),
 )}
+
+MIXTURE = "mixture"  # the objective of a recipe that lists tasks (config.load_recipe names it)
 
 # How a model directory that records no objective (a transformers checkpoint) is read.
 DEFAULT_FOR_ARCH = {"encoder": "mlm", "decoder": "clm", "encoder_decoder": "span"}

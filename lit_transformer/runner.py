@@ -26,26 +26,32 @@ from .rundir import CONFIG_YAML, open_run_dir
 from .averaging import last_checkpoints, load_average, record_average, write_average
 from .distributed import is_sharded
 from .schema import RunConfig
+from .tasks import trains_bidirectional_mode
 from .training import SampleGenerations, build_trainer, finish_wandb
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill what a recipe may leave to its fine-tuning source: the source's tokenizer."""
-    if cfg.finetune.from_ is not None and cfg.tokenizer.path is None:
-        source = resolve_source(cfg.finetune.from_)
+    """Fill what a recipe may leave to its fine-tuning source: the source's tokenizer, and how a
+    decoder reads text (bidirectionally when the source is a mixture that trained that mode)."""
+    if cfg.finetune.from_ is None:
+        return cfg
+    source = resolve_source(cfg.finetune.from_)
+    if cfg.tokenizer.path is None:
         if source.tokenizer is None:
             raise RunError(f"finetune.from={cfg.finetune.from_} has no tokenizer.json; set tokenizer.path")
         cfg = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)))
+    if cfg.finetune.attention is None:
+        pretrained = source.run_config
+        mode = "bidirectional" if pretrained is not None and trains_bidirectional_mode(pretrained) else "causal"
+        cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, attention=mode))
     return cfg
 
 
 def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | None = None):
-    """The prepared data module for the objective's data kind (registry spec)."""
-    from .data.module import TextDataModule
-
-    data = dataclasses.replace(cfg.data, num_workers=preflight.capped_workers(cfg))
-    dm = TextDataModule(data, cfg.tokenizer, registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed,
-                        run_dir=str(run_dir) if run_dir is not None else None, model_vocab_size=model_vocab_size)
+    """The prepared data module the objective reads (its class builds it: one data kind, or a
+    mixture's tasks)."""
+    dm = registry.objective_class(cfg.objective.name).data_module(
+        cfg, str(run_dir) if run_dir is not None else None, model_vocab_size, preflight.capped_workers(cfg))
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -117,7 +123,7 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
     extra = list(callbacks)
     try:
         with worker_errors():
-            if registry.spec(cfg.objective.name).generative and cfg.generation.enabled:
+            if registry.spec(cfg.objective.name).generative(module.model_config.arch) and cfg.generation.enabled:
                 extra.append(SampleGenerations(sample_fn(cfg, dm), run_dir))
             trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra,
                                     progress_bar=progress_bar)
@@ -177,13 +183,13 @@ def sample_fn(cfg: RunConfig, dm):
     of the first validation examples as the collator builds them), decoded with a seeded
     generator so sampling never touches the global one."""
     g = cfg.generation
-    style = registry.spec(cfg.objective.name).prompt
+    style = registry.spec(cfg.objective.name).prompt_for(cfg.model.arch)
     tokenizer, special = dm.tokenizer, dm.special_tokens
     if g.prompts:
         prompts = [encode_prompt(p, tokenizer, special, style) for p in g.prompts]
     else:
         # no truth test on the loader: a streaming split's DataLoader has no len()
-        batch = next(iter(dm.val_dataloader()), None)
+        batch = next(iter(dm.generation_dataloader()), None)
         prompts = []
         if batch is not None:
             for ids, mask in zip(batch["input_ids"][: g.num_prompts], batch["attention_mask"][: g.num_prompts]):
@@ -205,15 +211,23 @@ def sample_fn(cfg: RunConfig, dm):
 
 
 def prepare(cfg: RunConfig) -> dict[str, Any]:
-    """Train or load the tokenizer and fill the token cache; writes tokenizer.json and config.yaml."""
-    from .data.prepare import prepare as prepare_data
+    """Train or load the tokenizer and fill the token cache (every task's, for a mixture);
+    writes tokenizer.json and config.yaml."""
+    from .data.prepare import format_summary, prepare as prepare_data
 
     cfg = resolve(cfg)
     run_dir = Path(cfg.run.dir)
     vocab = model_config(cfg).vocab_size if cfg.finetune.from_ is None else None
-    summary = prepare_data(cfg.data, cfg.tokenizer, registry.spec(cfg.objective.name).data, run_dir,
-                           seed=cfg.trainer.seed, model_vocab_size=vocab)
+    if cfg.tasks:
+        dm = data_module(cfg, run_dir, vocab)
+        summary = {"tokenizer": str(run_dir / "tokenizer.json"), "tasks": dm.summaries()}
+        print(f"tokenizer  {dm.vocab_size:,} tokens -> {run_dir / 'tokenizer.json'}")
+        for task, splits in summary["tasks"].items():
+            for split in splits.values():
+                print(f"{task:<12} " + format_summary(dict(split, kind="lm")))
+    else:
+        summary = prepare_data(cfg.data, cfg.tokenizer, registry.spec(cfg.objective.name).data, run_dir,
+                               seed=cfg.trainer.seed, model_vocab_size=vocab)
     if not (run_dir / CONFIG_YAML).exists():
         save_config(cfg, run_dir / CONFIG_YAML)
     return summary
-

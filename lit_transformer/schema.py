@@ -28,8 +28,15 @@ Accelerator = Literal["auto", "cpu", "gpu", "cuda", "mps"]
 Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 WandbMode = Literal["offline", "online", "disabled"]
 Pooling = Literal["first", "mean", "last"]
+Attention = Literal["causal", "bidirectional"]
 Schedule = Literal["constant", "linear", "cosine", "inverse_sqrt"]
 SCHEDULES = typing.get_args(Schedule)
+# what one task of a mixture trains (tasks.py): prefix_lm is bidirectional over a prefix and
+# causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder)
+TaskObjective = Literal["mlm", "clm", "prefix_lm", "span", "seq2seq"]
+# how a mixture's tasks are drawn (Raffel et al. 2020, 3.5.2): the tasks' weights, examples-
+# proportional with an artificial limit K, or temperature-scaled
+MixtureRates = Literal["weights", "proportional", "temperature"]
 
 
 def need(ok: bool, key: str, value: Any, what: str) -> None:
@@ -189,6 +196,9 @@ class FinetuneConfig:
     pooling: Optional[Pooling] = None  # None: first for encoders, last for decoders, mean for encoder-decoders
     backbone_lr_ratio: float = 1.0  # backbone lr = optim.lr * ratio; the head gets optim.lr
     head_dropout: float = 0.1
+    # how a decoder reads the text: causal, or bidirectional (UniLM's bidirectional mode); None:
+    # bidirectional when finetune.from is a mixture run that trained a bidirectional (mlm) task
+    attention: Optional[Attention] = None
 
     def __post_init__(self):
         need(self.backbone_lr_ratio > 0, "finetune.backbone_lr_ratio", self.backbone_lr_ratio, "must be positive")
@@ -218,6 +228,48 @@ class GenerationConfig:
         need(self.num_prompts >= 0, "generation.num_prompts", self.num_prompts, "must not be negative")
 
 
+_DATA_HINTS = typing.get_type_hints(DataConfig)
+TaskData = dataclasses.make_dataclass(
+    "TaskData", [(f.name, Optional[_DATA_HINTS[f.name]], field(default=None)) for f in dataclasses.fields(DataConfig)],
+)
+TaskData.__doc__ = "Any `data` key, overriding the recipe's data section for one task; None keeps the recipe's value."
+
+
+@dataclass
+class TaskConfig:
+    """One task of a mixture: an objective on the shared core, its data (the recipe's by
+    default, so tasks share one corpus and one token cache) and its objective's parameters
+    (None: the recipe's data section's value)."""
+
+    name: str = MISSING  # metrics are logged as train/<name>/..., val/<name>/...
+    objective: TaskObjective = MISSING
+    weight: float = 1.0  # mixture.rates=weights: the task's share of steps is weight / sum of weights
+    mode_token: Optional[str] = None  # UL2's paradigm token ([NLU], [NLG], [S2S]) put before every input
+    mlm_probability: Optional[float] = None  # mlm
+    noise_density: Optional[float] = None  # span
+    mean_span_length: Optional[float] = None  # span
+    prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix (UL2's S-denoiser: 0.75)
+    data: TaskData = field(default_factory=TaskData)  # type: ignore[valid-type]
+
+    def __post_init__(self):
+        need(self.weight > 0, f"tasks.{self.name}.weight", self.weight, "must be positive")
+        need(0 < self.prefix_fraction < 1, f"tasks.{self.name}.prefix_fraction", self.prefix_fraction,
+             "is outside (0, 1)")
+        need(self.mode_token is None or (isinstance(self.mode_token, str) and self.mode_token.strip() != ""),
+             f"tasks.{self.name}.mode_token", self.mode_token, "must be a non-empty string or null")
+
+
+@dataclass
+class MixtureConfig:
+    rates: MixtureRates = "weights"
+    cap: Optional[int] = None  # K, in training examples, for proportional and temperature rates; null: no limit
+    temperature: float = 1.0  # temperature rates: r_i proportional to min(n_i, K) ** (1 / temperature)
+
+    def __post_init__(self):
+        need_positive_int("mixture.cap", self.cap, optional=True)
+        need(self.temperature > 0, "mixture.temperature", self.temperature, "must be positive")
+
+
 @dataclass
 class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)  # type: ignore[valid-type]
@@ -230,6 +282,9 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # a mixture of objectives on one set of weights (tasks.py); empty: the one objective.name
+    tasks: list[TaskConfig] = field(default_factory=list)
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
     resume: Optional[str] = None  # null | auto | path to a Lightning checkpoint
 
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_transformer"
 # Bottom to top; a module may import from its own layer and the layers below it.
 LAYERS = [
     {"model", "data", "errors"},  # the core, the data pipeline and the shared errors
-    {"registry", "schema", "config"},  # the objective specs and the recipe schema
+    {"registry", "schema", "tasks", "config"},  # the objective specs, the recipe schema, mixtures of tasks
     {"distributed", "checkpointing", "preflight"},  # DDP/FSDP2, checkpoint formats, start-up checks
     {"objectives"},
     # run directories, model loading, trainer factories, batched generation, checkpoint averaging
@@ -143,7 +143,8 @@ def test_every_objective_has_a_registered_class_and_a_data_kind():
     for name, spec in registry.SPECS.items():
         cls = objective_class(name)
         assert issubclass(cls, ObjectiveBase) and name in cls.objective_names
-        assert spec.data in DATA_KINDS
+        # a mixture's tasks each have their own data kind (tasks.TASK_OBJECTIVES' pipelines)
+        assert spec.data in (*DATA_KINDS, registry.MIXTURE)
         assert set(spec.archs) <= {"encoder", "decoder", "encoder_decoder"}
     assert set(registry.DEFAULT_FOR_ARCH.values()) <= set(registry.SPECS)
 

@@ -28,9 +28,9 @@ from lit_transformer.runner import train
 pytestmark = pytest.mark.distributed
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq")
+OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq", "unilm", "ul2")  # the last two: mixtures of tasks
 # span corruption of 24-token blocks has one noise span and nothing random left to draw: 48 has two
-EXTRA = {"span": ["data.block_size=48"]}
+EXTRA = {"span": ["data.block_size=48"], "ul2": ["data.block_size=48"]}
 STEPS = 3
 # Tiny and deterministic: no dropout anywhere (each rank seeds its own dropout draws), a high
 # learning rate without warmup so that a wrong update shows in the next step's loss.

@@ -23,6 +23,8 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "t5-base-span": (220, 224),  # Raffel et al. 2020: 220M
     "transformer-base-wmt": (60, 66),  # Vaswani et al. 2017 Table 3: 65M
     "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
+    "ul2-base": (220, 225),  # Tay et al. 2022 trained T5 sizes; T5-base: 220M
+    "unilm-base": (120, 126),  # Dong et al. 2019 used BERT-base's shape: 110M (+ GPT-2's 50k vocabulary)
     "tatoeba-translation": (5, 6.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
     "wmt-news-translation": (5, 6.5),
 }
@@ -30,7 +32,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
 
 def test_the_recipes_promised_exist():
     names = {p.stem for p in ALL}
-    for objective in ("mlm", "clm", "span", "seq2seq", "classify"):
+    for objective in ("mlm", "clm", "span", "seq2seq", "classify", "unilm", "ul2"):
         assert f"tiny-{objective}" in names
     assert {"tiny-classify-from-pretrained", "minilm-classify", "transformer-base-wmt", "bert-base-mlm",
             "gpt2-small-clm", "t5-base-span", "llama-style-clm"} <= names

@@ -121,9 +121,19 @@ class TokenizerConfig:
     num_sentinels: int = 100  # T5 <extra_id_0> ... <extra_id_99>
     lowercase: bool = False  # wordpiece and unigram normalisers
     max_train_bytes: Optional[int] = None  # text fed to the tokenizer trainer
+    # Extra special tokens added when a tokenizer is trained, e.g. UL2's mode tokens [NLU], [NLG],
+    # [S2S] (Tay et al. 2022): each becomes one id and is never split or masked. A tokenizer loaded
+    # from `path` must already hold them (the model's vocabulary is sized from that file).
+    extra_special_tokens: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _check_choice("tokenizer.kind", self.kind, get_args(TokenizerKind))
+        for token in self.extra_special_tokens:
+            if not isinstance(token, str) or not token.strip() or token.strip() != token:
+                raise DataError(f"tokenizer.extra_special_tokens: {token!r} must be a non-empty string "
+                                "without surrounding spaces")
+            if self.extra_special_tokens.count(token) > 1:
+                raise DataError(f"tokenizer.extra_special_tokens: {token!r} is listed twice")
         _check_positive("tokenizer.vocab_size", self.vocab_size)
         _check_positive("tokenizer.min_frequency", self.min_frequency)
         if self.num_sentinels < 0:

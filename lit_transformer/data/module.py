@@ -112,6 +112,10 @@ class TextDataModule(L.LightningDataModule):
     def test_dataloader(self):
         return self._loader("test", train=False) if "test" in self._prepared.sources else []
 
+    def generation_dataloader(self):
+        """Validation batches whose texts prompt the sample generations ([] without a split)."""
+        return self.val_dataloader()
+
     def state_dict(self) -> dict:
         return {"epoch": self._epoch, "batches": self._consumed, "seed": self.seed}
 

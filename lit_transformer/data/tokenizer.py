@@ -10,7 +10,8 @@ Three kinds are trained (`tokenizer.kind`), each with every special token any ob
 - unigram: T5 / SentencePiece style. NFKC, Metaspace `▁`, post-processor `a </s> b </s>`.
 
 Sentinels `<extra_id_0>` ... are added as special tokens in ascending order (ids increase with
-the index; T5's own vocabulary counts down, but collators only use `SpecialTokens.sentinel_ids`).
+the index; T5's own vocabulary counts down, but collators only use `SpecialTokens.sentinel_ids`),
+then `tokenizer.extra_special_tokens` (UL2's mode tokens), in the order listed.
 
 Loaded tokenizers have their stored padding and truncation switched off (collators pad, and
 packing must see whole documents) and `encode_special_tokens` on: text that happens to spell
@@ -109,6 +110,9 @@ class SpecialTokens:
     sep_id: Optional[int] = None
     mask_id: Optional[int] = None
     sentinel_ids: tuple[int, ...] = ()
+    # every other added special token (UL2's mode tokens, a loaded tokenizer's own controls):
+    # a control id that text never yields, so masking must neither select nor insert it
+    extra_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> "SpecialTokens":
@@ -120,7 +124,9 @@ class SpecialTokens:
         sentinels = []
         while (i := tokenizer.token_to_id(sentinel(len(sentinels)))) is not None:
             sentinels.append(i)
-        return cls(**ids, sentinel_ids=tuple(sentinels))
+        known = {*ids.values(), *sentinels}
+        extra = sorted(i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special and i not in known)
+        return cls(**ids, sentinel_ids=tuple(sentinels), extra_ids=tuple(extra))
 
     @property
     def separator_id(self) -> Optional[int]:
@@ -134,14 +140,32 @@ class SpecialTokens:
 
     def never_masked(self) -> set[int]:
         """Ids a masking collator must leave alone and never predict."""
-        ids = {self.pad_id, self.bos_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id, *self.sentinel_ids}
+        ids = {self.pad_id, self.bos_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id, *self.sentinel_ids,
+               *self.extra_ids}
         return {i for i in ids if i is not None}
+
+
+def check_extra_special_tokens(tokenizer: Tokenizer, tokens, where: str) -> dict[str, int]:
+    """{token: id} of `tokens` (tokenizer.extra_special_tokens); one-line DataError naming the first
+    that is not an added special token of `tokenizer` (loaded from `where`). Nothing is added to a
+    loaded tokenizer: the model's vocabulary is sized from its file."""
+    special = {tok.content: i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+    for token in tokens:
+        if token not in special:
+            raise DataError(f"tokenizer.extra_special_tokens: {token!r} is not a special token of {where}; add it "
+                            "to that tokenizer.json, or leave tokenizer.path empty to train a tokenizer with it")
+    return {token: special[token] for token in tokens}
 
 
 def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str = "the training split") -> Tokenizer:
     """Train a `cfg.kind` tokenizer on `texts` (at most `cfg.max_train_bytes` of them)."""
     names = TRAINED_SPECIALS[cfg.kind]
     specials = list(names.values()) + [sentinel(i) for i in range(cfg.num_sentinels)]
+    for token in cfg.extra_special_tokens:
+        if token in specials:
+            raise DataError(f"tokenizer.extra_special_tokens: {token!r} is already a special token of a "
+                            f"trained {cfg.kind} tokenizer")
+    specials += list(cfg.extra_special_tokens)
     floor = len(specials) + (256 if cfg.kind == "bpe" else 1)
     if cfg.vocab_size < floor:
         raise DataError(

@@ -16,6 +16,7 @@ from .base import ObjectiveBase
 from .causal_lm import CausalLM
 from .classifier import SequenceClassifier
 from .masked_lm import MaskedLM
+from .multitask import MultiTaskLM
 from .metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
 from .optim import lr_multiplier, make_scheduler, parameter_groups
 from .seq2seq import Seq2SeqLM
@@ -46,7 +47,7 @@ def evaluate_batches(module: ObjectiveBase, batches: Iterable[dict[str, Any]],
 
 
 __all__ = [
-    "CausalLM", "IGNORE_INDEX", "MaskedLM", "ObjectiveBase", "OptimConfig", "Seq2SeqLM", "SequenceClassifier",
+    "CausalLM", "IGNORE_INDEX", "MaskedLM", "MultiTaskLM", "ObjectiveBase", "OptimConfig", "Seq2SeqLM", "SequenceClassifier",
     "bits_per_byte", "evaluate_batches", "lr_multiplier", "make_scheduler", "objective_class", "parameter_groups",
     "token_cross_entropy",
 ]

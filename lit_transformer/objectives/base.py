@@ -154,6 +154,19 @@ class ObjectiveBase(L.LightningModule):
         return cls(model, bytes_per_token=data.bytes_per_token, **cls.recipe_options(cfg))
 
     @classmethod
+    def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
+        """The (not yet prepared) data module a recipe's objective reads: its data kind's
+        TextDataModule; a mixture's reads one per task."""
+        import dataclasses
+
+        from .. import registry
+        from ..data.module import TextDataModule
+
+        return TextDataModule(dataclasses.replace(cfg.data, num_workers=workers), cfg.tokenizer,
+                              registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed, run_dir=run_dir,
+                              model_vocab_size=model_vocab_size)
+
+    @classmethod
     def from_hparams(cls, hparams: dict[str, Any], **overrides: Any):
         """Rebuild from saved hyperparameters (a checkpoint's, or a module's own)."""
         return cls(**{**hparams, **overrides})
@@ -171,6 +184,13 @@ class ObjectiveBase(L.LightningModule):
                    head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None):
         """The module around a finished run's saved model (and head), for evaluation."""
         return cls.from_recipe(name, cfg, lm, data)
+
+    def evaluation_streams(self, data: Any, task: str | None = None) -> list[tuple[str, Any]]:
+        """(metric-name prefix, validation batches) pairs that `evaluate` runs; one objective has
+        one stream. `task` selects one task of a mixture (a single objective has none)."""
+        if task is not None:
+            raise KeyError(f"--task {task}: a {self.objective_name} run is one objective, not a mixture of tasks")
+        return [("", data.val_dataloader())]
 
     def evaluation_batches(self, batches: Any, data_labels: list | None, model_labels: list | None) -> Any:
         """The batches `evaluate` feeds this module, given the label names the evaluation data

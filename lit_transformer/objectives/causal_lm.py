@@ -59,22 +59,30 @@ class CausalLM(ObjectiveBase):
         return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
 
     def _terms(self, batch, label_smoothing: float):
-        labels = batch["labels"]
-        if labels.shape != batch["input_ids"].shape:
-            raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
-                             "(the collator shifts them)")
-        documents = _documents(batch)
-        if self.fuse_head_and_loss():
-            features = self.model.head_features(batch["input_ids"], batch.get("attention_mask"), **documents)  # (B, T, C)
-            decoder = self.model.lm_head.decoder
-            loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
-                                                               labels.reshape(-1), label_smoothing, count_correct=False)
-            return loss_sum, nll_sum, count
-        logits = self.model(batch["input_ids"], batch.get("attention_mask"), **documents)  # (B, T, V)
-        V = logits.shape[-1]
-        return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
+        return causal_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss())
 
 
-def _documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """document_ids and position_ids of packed rows, when the collator sent them (data.document_mask)."""
-    return {key: batch[key] for key in ("document_ids", "position_ids") if key in batch}
+def causal_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool):
+    """(loss sum, NLL sum, target count) of next-token prediction over the labels the collator
+    shifted; the head and the loss run fused when `fused` (training with a plain head weight).
+    Also serves the prefix LM of a mixture, whose batch carries prefix_lengths."""
+    labels = batch["labels"]
+    if labels.shape != batch["input_ids"].shape:
+        raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
+                         "(the collator shifts them)")
+    extra = _row_inputs(batch)
+    if fused:
+        features = model.head_features(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, C)
+        decoder = model.lm_head.decoder
+        loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
+                                                           labels.reshape(-1), label_smoothing, count_correct=False)
+        return loss_sum, nll_sum, count
+    logits = model(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, V)
+    V = logits.shape[-1]
+    return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
+
+
+def _row_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """document_ids and position_ids of packed rows (data.document_mask), and prefix_lengths
+    (a mixture's attention modes), when the collator sent them."""
+    return {key: batch[key] for key in ("document_ids", "position_ids", "prefix_lengths") if key in batch}

@@ -34,6 +34,7 @@ from .metrics import TokenAverage
 
 Problem = Literal["single_label", "multi_label", "regression"]
 Pooling = Literal["first", "mean", "last"]
+Attention = Literal["causal", "bidirectional"]
 DEFAULT_POOLING = {"encoder": "first", "decoder": "last", "encoder_decoder": "mean"}
 
 
@@ -43,11 +44,14 @@ class SequenceClassifier(ObjectiveBase):
                  problem: Problem = "single_label", pooling: Pooling | None = None,
                  optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
                  hidden_layer: bool = True, classifier_dropout: float = 0.1, backbone_lr_ratio: float = 1.0,
-                 **options: Unpack[ObjectiveOptions]):
+                 attention: Attention = "causal", **options: Unpack[ObjectiveOptions]):
         """`model_config`: a config for a freshly initialised backbone, or a Transformer whose
         weights to fine-tune (see `from_backbone`). `pooling` defaults by architecture:
         first ([CLS]) for encoders, last for decoders, mean for an encoder-decoder's encoder.
-        `backbone_lr_ratio` scales the backbone's learning rate relative to the head's."""
+        `backbone_lr_ratio` scales the backbone's learning rate relative to the head's.
+        `attention`: how a decoder reads the text: causal, or bidirectional (every row a full
+        prefix: UniLM's bidirectional mode, for a decoder pretrained with a mixture that has it);
+        encoders are bidirectional and encoder-decoders read with their encoder either way."""
         if problem not in ("single_label", "multi_label", "regression"):
             raise ValueError(f"problem={problem!r} is not one of ['single_label', 'multi_label', 'regression']")
         if num_labels < 1 or (problem == "single_label" and num_labels < 2):
@@ -63,11 +67,13 @@ class SequenceClassifier(ObjectiveBase):
             backbone = init_weights(Transformer(cfg), cfg)
         cfg = backbone.config
         pooling = pooling or DEFAULT_POOLING[cfg.arch]
+        if attention not in ("causal", "bidirectional"):
+            raise ValueError(f"attention={attention!r} is not one of ['causal', 'bidirectional']")
         if pooling not in ("first", "mean", "last"):
             raise ValueError(f"pooling={pooling!r} is not one of ['first', 'mean', 'last']")
         hparams = {"model_config": cfg.to_dict(), "num_labels": num_labels, "problem": problem, "pooling": pooling,
                    "hidden_layer": hidden_layer, "classifier_dropout": classifier_dropout,
-                   "backbone_lr_ratio": backbone_lr_ratio}
+                   "backbone_lr_ratio": backbone_lr_ratio, "attention": attention}
         super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, hparams=hparams, **options)
         if cfg.arch == "encoder_decoder":
             backbone.decoder = None  # only the encoder is read: no dead parameters for DDP or AdamW
@@ -76,6 +82,7 @@ class SequenceClassifier(ObjectiveBase):
                                        dropout=classifier_dropout)
         init_weights(self.head, cfg)
         self.problem, self.num_labels, self.backbone_lr_ratio = problem, num_labels, backbone_lr_ratio
+        self.bidirectional_decoder = attention == "bidirectional" and cfg.arch == "decoder"
         self.eval_metrics["loss"] = TokenAverage()  # per example
         if problem == "single_label":
             self.eval_metrics["accuracy"] = MulticlassAccuracy(num_labels, average="micro")
@@ -105,7 +112,7 @@ class SequenceClassifier(ObjectiveBase):
         backbone = model.transformer if isinstance(model, LanguageModel) else model
         return cls(backbone, data.num_labels, cfg.data.task, pooling=cfg.finetune.pooling,
                    classifier_dropout=cfg.finetune.head_dropout, backbone_lr_ratio=cfg.finetune.backbone_lr_ratio,
-                   **cls.recipe_options(cfg))
+                   attention=cfg.finetune.attention or "causal", **cls.recipe_options(cfg))
 
     def final_model(self) -> LanguageModel:
         """The backbone as a LanguageModel (an encoder-decoder's encoder as an encoder), so that
@@ -120,7 +127,7 @@ class SequenceClassifier(ObjectiveBase):
 
     def final_head(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         spec = {key: self.hparams[key] for key in ("num_labels", "problem", "pooling", "hidden_layer",
-                                                    "classifier_dropout")}
+                                                    "classifier_dropout", "attention")}
         return spec, {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
 
     @classmethod
@@ -131,7 +138,7 @@ class SequenceClassifier(ObjectiveBase):
         spec, weights = head
         module = cls.from_backbone(lm.transformer, spec["num_labels"], spec["problem"], pooling=spec["pooling"],
                                    hidden_layer=spec["hidden_layer"], classifier_dropout=spec["classifier_dropout"],
-                                   optim=cfg.optim)
+                                   attention=spec.get("attention", "causal"), optim=cfg.optim)
         module.head.load_state_dict(weights)
         return module
 
@@ -160,6 +167,10 @@ class SequenceClassifier(ObjectiveBase):
         """Logits (B, N); for regression the predictions (B,)."""
         if self.model_config.arch == "encoder_decoder":
             hidden = self.backbone.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
+        elif self.bidirectional_decoder:  # every position sees the whole row
+            B, T = input_ids.shape
+            everything = torch.full((B,), T, dtype=torch.long, device=input_ids.device)  # (B,)
+            hidden = self.backbone(input_ids, attention_mask, token_type_ids=token_type_ids, prefix_lengths=everything)
         else:
             hidden = self.backbone(input_ids, attention_mask, token_type_ids=token_type_ids)  # (B, T, C)
         out = self.head(hidden, attention_mask)  # (B, N)

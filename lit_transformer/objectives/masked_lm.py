@@ -59,21 +59,33 @@ class MaskedLM(ObjectiveBase):
 
     def masked_logits(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (N, V), targets (N,)) at the positions whose label is not IGNORE_INDEX."""
-        labels = batch["labels"]
-        predicted = labels != IGNORE_INDEX  # (B, T)
-        logits = self.model.logits_at(batch["input_ids"], batch.get("attention_mask"), predicted,
-                                      token_type_ids=batch.get("token_type_ids"),
-                                      position_ids=batch.get("position_ids"),  # with data.document_mask
-                                      document_ids=batch.get("document_ids"))  # (N, V)
-        return logits, labels[predicted]
+        return masked_logits(self.model, batch)
 
     def _masked_terms(self, batch, label_smoothing: float):
-        logits, targets = self.masked_logits(batch)  # (N, V), (N,)
-        loss_sum, nll_sum, count = token_cross_entropy(logits, targets, label_smoothing)
-        correct = (logits.detach().argmax(-1) == targets).sum()
-        return loss_sum, nll_sum, count, correct
+        return masked_terms(self.model, batch, label_smoothing)
 
     @staticmethod
     def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         mask = batch.get("attention_mask")
         return mask.sum() if mask is not None else batch["input_ids"].numel()
+
+
+def masked_logits(model: LanguageModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (N, V), targets (N,)) at the positions whose label is not IGNORE_INDEX. A
+    decoder reads its rows bidirectionally through the batch's prefix_lengths (a mixture)."""
+    labels = batch["labels"]
+    predicted = labels != IGNORE_INDEX  # (B, T)
+    rows = {"prefix_lengths": batch["prefix_lengths"]} if "prefix_lengths" in batch else {}
+    logits = model.logits_at(batch["input_ids"], batch.get("attention_mask"), predicted,
+                             token_type_ids=batch.get("token_type_ids"),
+                             position_ids=batch.get("position_ids"),  # with data.document_mask
+                             document_ids=batch.get("document_ids"), **rows)  # (N, V)
+    return logits, labels[predicted]
+
+
+def masked_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float):
+    """(loss sum, NLL sum, masked count, correct predictions) over the masked positions."""
+    logits, targets = masked_logits(model, batch)  # (N, V), (N,)
+    loss_sum, nll_sum, count = token_cross_entropy(logits, targets, label_smoothing)
+    correct = (logits.detach().argmax(-1) == targets).sum()
+    return loss_sum, nll_sum, count, correct

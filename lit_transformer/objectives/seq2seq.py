@@ -172,21 +172,27 @@ class Seq2SeqLM(ObjectiveBase):
         return hypotheses, references
 
     def _terms(self, batch, label_smoothing: float):
-        labels = batch["labels"]  # (B, T)
-        if self.fuse_head_and_loss():
-            features = self.model.head_features(
-                batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
-                decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, C)
-            decoder = self.model.lm_head.decoder
-            return linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1),
-                                        label_smoothing)
-        logits = self(batch["input_ids"], batch.get("attention_mask"), batch["decoder_input_ids"],
-                      batch.get("decoder_attention_mask"))  # (B, T, V)
-        V = logits.shape[-1]
-        flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
-        loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing)
-        correct = ((flat_logits.detach().argmax(-1) == flat_labels) & (flat_labels != IGNORE_INDEX)).sum()
-        return loss_sum, nll_sum, count, correct
+        return seq2seq_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss())
+
+
+def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool):
+    """(loss sum, NLL sum, target count, correct predictions) of teacher-forced decoding; the
+    head and the loss run fused when `fused` (training with a plain head weight)."""
+    labels = batch["labels"]  # (B, T)
+    if fused:
+        features = model.head_features(
+            batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
+            decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, C)
+        decoder = model.lm_head.decoder
+        return linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1),
+                                    label_smoothing)
+    logits = model(batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
+                   decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, V)
+    V = logits.shape[-1]
+    flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
+    loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing)
+    correct = ((flat_logits.detach().argmax(-1) == flat_labels) & (flat_labels != IGNORE_INDEX)).sum()
+    return loss_sum, nll_sum, count, correct
 
 
 def _check_generate_kwargs(kwargs: dict[str, Any]) -> None:

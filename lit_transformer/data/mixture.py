@@ -1,0 +1,471 @@
+"""A mixture of tasks on one model: how often each task is drawn, which task each optimizer
+step trains, and `MixtureDataModule`, which feeds every task from its own token cache.
+
+- Rates (`mixture_rates`): the tasks' weights, or T5's examples-proportional mixing with an
+  artificial limit K, optionally temperature-scaled (Raffel et al. 2020, 3.5.2).
+- Draws (`task_for_step`): the task of optimizer step s is a function of (seed, s) alone, so every
+  DDP rank draws the same task, a resumed run the same sequence, and all micro-batches of a step
+  (gradient accumulation) share its task.
+- Batches (`MixtureBatchSampler`): task t's batches come from its own rank-sharded sampler, which
+  cycles through its own epochs: its c-th batch is batch c % per_epoch of epoch c // per_epoch.
+  Task t seeds its permutation and its collator generators with seed + t, so a mixture of one
+  task draws exactly the batches a single-objective run with the same seed draws.
+- Resume: the module's state is (micro-batches used, batches used per task), counted in
+  `on_before_batch_transfer` as in module.py, so prefetched batches are not counted.
+
+The training loader is infinite (its sampler has no length): Lightning then runs by steps,
+with validation every `val_check_interval` batches (an int) and check_val_every_n_epoch=None.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lit_transformer.data.cache import cache_root
+from lit_transformer.data.collate import example_generators
+from lit_transformer.data.config import DataConfig, TokenizerConfig
+from lit_transformer.data.corpus import build_sources
+from lit_transformer.data.errors import DataError
+from lit_transformer.data.module import TextDataModule
+from lit_transformer.data.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
+from lit_transformer.data.prepare import Prepared, resolve_tokenizer, write_run_files
+from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.tokenizer import SpecialTokens, check_extra_special_tokens, save_tokenizer
+
+RATE_METHODS = ("weights", "proportional", "temperature")
+TASK_OBJECTIVES = ("mlm", "clm", "prefix_lm", "span", "seq2seq")
+PIPELINES = ("mlm", "clm", "span", "seq2seq")
+# prefix LM reads next-token blocks on a decoder, plain blocks that it splits on an encoder-decoder
+PREFIX_PIPELINES = {"decoder": "clm", "encoder_decoder": "mlm"}
+
+
+def mixture_rates(sizes: Sequence[int], method: str, *, weights: Optional[Sequence[float]] = None,
+                  cap: Optional[int] = None, temperature: float = 1.0) -> list[float]:
+    """Each task's share of the optimizer steps, summing to 1.
+
+    weights:      w_i / sum_j w_j (weights=None: equal shares)
+    proportional: min(n_i, K) / sum_j min(n_j, K), n_i the task's training examples, K = cap
+                  (None: no limit), so a huge task does not crowd out the others (T5, 3.5.2)
+    temperature:  proportional to min(n_i, K) ** (1 / temperature); temperature 1 is
+                  proportional, a large one approaches equal shares
+    """
+    n = len(sizes)
+    if n == 0:
+        raise ValueError("mixture_rates: no tasks")
+    if method not in RATE_METHODS:
+        raise ValueError(f"mixture_rates: method={method!r} is not one of {list(RATE_METHODS)}")
+    if any(isinstance(s, bool) or int(s) != s or s < 0 for s in sizes):
+        raise ValueError(f"mixture_rates: sizes={list(sizes)} must be non-negative integers")
+    if cap is not None and (isinstance(cap, bool) or int(cap) != cap or cap <= 0):
+        raise ValueError(f"mixture_rates: cap={cap!r} must be a positive integer or None")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"mixture_rates: temperature={temperature!r} must be a positive number")
+    if method == "weights":
+        w = [1.0] * n if weights is None else [float(x) for x in weights]
+        if len(w) != n:
+            raise ValueError(f"mixture_rates: {len(w)} weights for {n} tasks")
+        if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+            raise ValueError(f"mixture_rates: weights={list(w)} must be non-negative with a positive sum")
+    else:
+        limited = [float(min(s, cap) if cap is not None else s) for s in sizes]
+        top = max(limited)
+        if top <= 0:
+            raise ValueError(f"mixture_rates: sizes={list(sizes)} hold no training examples")
+        power = 1.0 if method == "proportional" else 1.0 / temperature
+        w = [(m / top) ** power for m in limited]  # scaled by the largest first: no overflow for small T
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def _uniform(seed: int, step: int) -> float:
+    """A uniform number in [0, 1) from a stable hash of (seed, step): no global RNG, no state."""
+    digest = hashlib.blake2b(repr(("mixture", int(seed), int(step))).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 11) / float(1 << 53)  # 53 bits: exact in a double
+
+
+def task_for_step(seed: int, step: int, rates: Sequence[float]) -> int:
+    """The task that optimizer step `step` trains: drawn with probabilities `rates`, keyed only by
+    (seed, step). A task of rate 0 is never drawn."""
+    bounds = list(itertools.accumulate(float(r) for r in rates))
+    if not bounds or bounds[-1] <= 0:
+        raise ValueError(f"task_for_step: rates={list(rates)} have no positive rate")
+    return bisect.bisect_right(bounds, _uniform(seed, step) * bounds[-1])
+
+
+class MixtureBatchSampler(DistributedSampler):
+    """Infinite keys (task, (epoch, batch index, example indices)): micro-batch i trains the task
+    of step i // accumulate, and takes that task's next batch (module docstring).
+
+    It subclasses DistributedSampler (as ResumableBatchSampler does) so that Lightning leaves it
+    in place under DDP; each task's sampler is already sharded by rank. It has no length, so a
+    DataLoader over it is an infinite iterable to Lightning. `resume(micro_batches, task_batches)`
+    sets where every later iteration starts (default: the beginning).
+    """
+
+    def __init__(self, samplers: Sequence[ResumableBatchSampler], rates: Sequence[float], *, seed: int = 0,
+                 accumulate: int = 1):
+        if not samplers or len(samplers) != len(rates):
+            raise ValueError(f"MixtureBatchSampler: {len(samplers)} samplers for {len(rates)} rates")
+        if isinstance(accumulate, bool) or int(accumulate) != accumulate or accumulate < 1:
+            raise ValueError(f"MixtureBatchSampler: accumulate={accumulate!r} must be a positive integer")
+        first = samplers[0]
+        super().__init__(range(0), num_replicas=first.num_replicas, rank=first.rank,
+                         shuffle=any(s.shuffle for s in samplers), seed=seed, drop_last=True)
+        for t, (s, rate) in enumerate(zip(samplers, rates)):
+            if (s.num_replicas, s.rank) != (first.num_replicas, first.rank) or not s.drop_last:
+                raise ValueError(f"MixtureBatchSampler: task {t}'s sampler must be drop_last and on rank "
+                                 f"{first.rank} of {first.num_replicas}, as task 0's")
+            if rate > 0 and len(s) == 0:
+                raise ValueError(f"MixtureBatchSampler: task {t} is drawn (rate {rate:.3g}) but has no full batch")
+        self.samplers, self.rates, self.accumulate = list(samplers), [float(r) for r in rates], int(accumulate)
+        self._start: tuple[int, list[int]] = (0, [0] * len(samplers))
+        self._shards: dict[int, tuple] = {}  # task -> (epoch, this rank's shard of that epoch)
+
+    def resume(self, micro_batches: int, task_batches: Sequence[int]) -> None:
+        if len(task_batches) != len(self.samplers):
+            raise ValueError(f"MixtureBatchSampler: {len(task_batches)} task counts for {len(self.samplers)} tasks")
+        self._start = (int(micro_batches), [int(c) for c in task_batches])
+
+    def __len__(self) -> int:
+        # a TypeError is what Lightning's `has_len` takes for "no length": an infinite loader
+        raise TypeError("MixtureBatchSampler is infinite and has no length")
+
+    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple]]]:
+        micro, counts = self._start[0], list(self._start[1])
+        while True:
+            t = task_for_step(self.seed, micro // self.accumulate, self.rates)
+            yield t, self.task_batch(t, counts[t])
+            counts[t] += 1
+            micro += 1
+
+    def task_batch(self, t: int, count: int) -> tuple[int, int, tuple]:
+        """Key of task t's batch number `count` (from its start): (epoch, batch index, indices)."""
+        sampler = self.samplers[t]
+        epoch, index = divmod(count, len(sampler))
+        cached = self._shards.get(t)
+        if cached is None or cached[0] != epoch:
+            cached = self._shards[t] = (epoch, sampler.shard(epoch))
+        size = sampler.batch_size
+        return epoch, index, tuple(int(i) for i in cached[1][index * size:(index + 1) * size])
+
+
+@dataclass
+class MixtureTask:
+    """One task of a mixture, as plain values (the recipe layer builds these)."""
+
+    name: str
+    objective: str  # what it trains: mlm | clm | prefix_lm | span | seq2seq
+    pipeline: str  # the TextDataModule objective that caches and collates its data: mlm | clm | span | seq2seq
+    data: DataConfig
+    prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix
+    mode_token: Optional[str] = None  # put before every input (UL2's [NLU], [NLG], [S2S])
+
+    def __post_init__(self):
+        if self.objective not in TASK_OBJECTIVES:
+            raise DataError(f"tasks.{self.name}.objective={self.objective!r} is not one of {list(TASK_OBJECTIVES)}")
+        if self.pipeline not in PIPELINES:
+            raise DataError(f"tasks.{self.name}: pipeline {self.pipeline!r} is not one of {list(PIPELINES)}")
+        if not 0.0 < self.prefix_fraction < 1.0:
+            raise DataError(f"tasks.{self.name}.prefix_fraction={self.prefix_fraction} is outside (0, 1)")
+
+
+class _MixtureBatches(torch.utils.data.Dataset):
+    """Map-style dataset whose keys are MixtureBatchSampler's: (task, (epoch, batch index, indices))."""
+
+    def __init__(self, examples: list, collators: list, seed: int):
+        self.examples, self.collators, self.seed = examples, collators, seed
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self.examples)
+
+    def __getitem__(self, key) -> dict:
+        t, (epoch, _, indices) = key
+        gens = example_generators(self.seed + t, epoch, indices)  # task t's own seed (module docstring)
+        return self.collators[t]([self.examples[t][i] for i in indices], gens)
+
+
+class _MixtureLoader(DataLoader):
+    """The training DataLoader: resumes its sampler from the data module's counts each time
+    iteration starts; its state is the module's (as module._EpochLoader)."""
+
+    def __init__(self, *args, owner: "MixtureDataModule", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._owner = owner
+
+    def __iter__(self):
+        self._owner._begin_train()
+        return super().__iter__()
+
+    def state_dict(self) -> dict:
+        return self._owner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._owner.load_state_dict(state)
+
+
+class MixtureDataModule(L.LightningDataModule):
+    """Every task's data on one shared tokenizer; train batches from the mixture, one validation
+    (and test) loader per task that has the split.
+
+    The tokenizer is trained (or loaded) once from `tokenizer_data` (the recipe's data section),
+    read as `tokenizer_pipeline` (default: the pipeline of the first task whose data is
+    `tokenizer_data`, else of the first task). Every task then gets a TextDataModule that loads
+    that one file, so tasks with the same data and pipeline share one token cache.
+    """
+
+    def __init__(self, tasks: Sequence[MixtureTask], *, arch: str, tokenizer: TokenizerConfig,
+                 tokenizer_data: DataConfig, rates: str = "weights", weights: Optional[Sequence[float]] = None,
+                 cap: Optional[int] = None, temperature: float = 1.0, seed: int = 0, accumulate: int = 1,
+                 run_dir: Optional[str] = None, model_vocab_size: Optional[int] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 tokenizer_pipeline: Optional[str] = None):
+        super().__init__()
+        if not tasks:
+            raise DataError("a mixture needs at least one task")
+        if arch not in ARCHS:
+            raise DataError(f"model.arch={arch!r} is not one of {list(ARCHS)}")
+        for task in tasks:
+            if task.objective == "prefix_lm" and PREFIX_PIPELINES.get(arch) != task.pipeline:
+                raise DataError(f"tasks.{task.name}: prefix_lm on model.arch={arch} needs pipeline "
+                                f"{PREFIX_PIPELINES.get(arch)!r}, got {task.pipeline!r}")
+            if task.mode_token is not None and task.mode_token not in tokenizer.extra_special_tokens:
+                raise DataError(f"tasks.{task.name}.mode_token={task.mode_token!r} is not in "
+                                f"tokenizer.extra_special_tokens={list(tokenizer.extra_special_tokens)}")
+        self.tasks, self.arch = list(tasks), arch
+        self.tokenizer_cfg, self.tokenizer_data = tokenizer, tokenizer_data
+        self.rate_options = dict(method=rates, weights=None if weights is None else list(weights), cap=cap,
+                                 temperature=temperature)
+        mixture_rates([1] * len(self.tasks), rates, weights=weights, cap=cap, temperature=temperature)  # fail early
+        self.seed, self.accumulate, self.run_dir, self.model_vocab_size = seed, accumulate, run_dir, model_vocab_size
+        self._rank, self._world = rank, world_size
+        same_data = [t.pipeline for t in self.tasks if t.data == tokenizer_data]
+        self.tokenizer_pipeline = tokenizer_pipeline or (same_data or [self.tasks[0].pipeline])[0]
+        self._tokenizer = None
+        self._tokenizer_path: Optional[str] = None
+        self._mode_ids: dict[str, int] = {}
+        self._modules: Optional[list[TextDataModule]] = None
+        self._rates: Optional[list[float]] = None
+        self._sampler: Optional[MixtureBatchSampler] = None
+        self._micro = 0  # training micro-batches used so far
+        self._task_batches = [0] * len(self.tasks)  # of which each task's
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def prepare_data(self) -> None:
+        self._resolve_tokenizer(build=True)
+        self._write_run_files()
+        for dm in self._task_modules():
+            dm.prepare_data()
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self._tokenizer is None:
+            # a single process may build what is missing; other ranks rely on prepare_data
+            self._resolve_tokenizer(build=self.world_size == 1)
+        if self.rank == 0 and self.run_dir is not None and not (Path(self.run_dir) / "tokenizer.json").exists():
+            self._write_run_files()
+        for t, (task, dm) in enumerate(zip(self.tasks, self._task_modules())):
+            dm.setup(stage)  # sets dm.collator to its pipeline's own collator
+            base = dm.collator
+            if task.objective == "prefix_lm":
+                prefix = DecoderPrefixCollator if self.arch == "decoder" else EncoderDecoderPrefixCollator
+                base = prefix(dm.special_tokens, task.prefix_fraction)
+            mode = self._mode_ids[task.mode_token] if task.mode_token is not None else None
+            dm.collator = TaskCollator(base, task=t, objective=task.objective, arch=self.arch, mode_token_id=mode)
+        self._rates = mixture_rates(self.train_sizes, **self.rate_options)
+
+    def train_dataloader(self) -> DataLoader:
+        modules = self._ready()
+        samplers = []
+        for t, (task, dm) in enumerate(zip(self.tasks, modules)):
+            n = len(self._train_examples(t))
+            sampler = ResumableBatchSampler(n, task.data.batch_size, seed=self.seed + t, shuffle=task.data.shuffle,
+                                            drop_last=True, rank=self.rank, world_size=self.world_size)
+            if self.rates[t] > 0 and len(sampler) == 0:
+                raise DataError(f"tasks.{task.name}: {n} training examples make no full batch of "
+                                f"data.batch_size={task.data.batch_size} on each of {self.world_size} ranks")
+            samplers.append(sampler)
+        self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
+        dataset = _MixtureBatches([self._train_examples(t) for t in range(len(modules))],
+                                  [dm.collator for dm in modules], self.seed)
+        return _MixtureLoader(dataset, sampler=self._sampler, owner=self, batch_size=None,
+                              num_workers=self.tokenizer_data.num_workers, pin_memory=torch.cuda.is_available())
+
+    def val_dataloader(self) -> list:
+        modules = self._ready()
+        return [modules[t].val_dataloader() for t in self.val_tasks]
+
+    def test_dataloader(self) -> list:
+        modules = self._ready()
+        return [modules[t].test_dataloader() for t in self.test_tasks]
+
+    def generation_dataloader(self):
+        """Validation batches whose texts prompt the sample generations: those of the first task
+        that writes text left to right (clm, prefix_lm, seq2seq), else of the first task."""
+        tasks = self.val_tasks
+        if not tasks:
+            return []
+        writes = [t for t in tasks if self.tasks[t].objective in ("clm", "prefix_lm", "seq2seq")]
+        return self._ready()[(writes or tasks)[0]].val_dataloader()
+
+    def summaries(self) -> dict[str, dict]:
+        """{task: {split: what preparing it did}} (prepare.format_summary prints each)."""
+        return {task.name: dict(dm._prepared.summaries) for task, dm in zip(self.tasks, self._ready())}
+
+    def state_dict(self) -> dict:
+        return {"micro_batches": self._micro, "task_batches": list(self._task_batches), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        counts = [int(c) for c in state["task_batches"]]
+        if len(counts) != len(self.tasks):
+            raise DataError(f"the checkpoint's data state counts {len(counts)} tasks but this mixture has "
+                            f"{len(self.tasks)}; resume a mixture with the tasks it was trained with")
+        self._micro, self._task_batches = int(state["micro_batches"]), counts
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        if self.trainer is None or self.trainer.training:
+            self._micro += 1
+            self._task_batches[batch["task"]] += 1
+        return batch
+
+    # ------------------------------------------------------------------ what training needs
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self.setup()
+        return self._tokenizer
+
+    @property
+    def tokenizer_path(self) -> Optional[str]:
+        """The one tokenizer.json every task's TextDataModule loads."""
+        return self._tokenizer_path
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        return SpecialTokens.from_tokenizer(self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def mode_token_ids(self) -> dict[str, int]:
+        """{token: id} of tokenizer.extra_special_tokens."""
+        self.tokenizer  # noqa: B018  (resolves it)
+        return dict(self._mode_ids)
+
+    @property
+    def task_names(self) -> list[str]:
+        return [t.name for t in self.tasks]
+
+    @property
+    def rates(self) -> list[float]:
+        if self._rates is None:
+            self.setup()
+        return list(self._rates)
+
+    @property
+    def train_sizes(self) -> list[int]:
+        """Training examples (blocks, or pairs) per task, over all ranks."""
+        return [len(self._train_examples(t)) for t in range(len(self.tasks))]
+
+    @property
+    def val_tasks(self) -> list[int]:
+        """The task of each val_dataloader() entry."""
+        return self._tasks_with("validation")
+
+    @property
+    def test_tasks(self) -> list[int]:
+        return self._tasks_with("test")
+
+    def bytes_per_token_of(self, t: int) -> Optional[float]:
+        return self._ready()[t].bytes_per_token
+
+    @property
+    def label_names(self) -> None:
+        return None
+
+    @property
+    def num_labels(self) -> None:
+        return None
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        if self.trainer is not None:
+            return self.trainer.global_rank
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world is not None:
+            return self._world
+        if self.trainer is not None:
+            return self.trainer.world_size
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    # ------------------------------------------------------------------ internals
+
+    def _resolve_tokenizer(self, *, build: bool) -> None:
+        cfg, data = self.tokenizer_cfg, self.tokenizer_data
+        tok, _, _ = resolve_tokenizer(data, cfg, build_sources(data, self.tokenizer_pipeline), build=build)
+        self._mode_ids = check_extra_special_tokens(tok, cfg.extra_special_tokens, cfg.path or "the trained tokenizer")
+        if cfg.path:
+            path = Path(cfg.path)
+        else:
+            # a file named by its content: every rank and every later run finds the same one
+            text = tok.to_str(pretty=True)
+            digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+            path = cache_root(data.cache_dir).expanduser().resolve() / "tokenizers" / f"shared-{digest}.json"
+            if not path.is_file():
+                save_tokenizer(tok, path)
+        self._tokenizer, self._tokenizer_path = tok, str(path)
+
+    def _write_run_files(self) -> None:
+        if self.run_dir is not None:
+            prepared = Prepared(self.tokenizer_pipeline, self._tokenizer, SpecialTokens.from_tokenizer(self._tokenizer),
+                                sources={})
+            write_run_files(prepared, self.run_dir, self.tokenizer_data.task)
+
+    def _task_modules(self) -> list[TextDataModule]:
+        if self._modules is None:
+            tok_cfg = dataclasses.replace(self.tokenizer_cfg, path=self._tokenizer_path)
+            # rank and world size as given, else read when each loader is built (torch.distributed is
+            # initialised by then under DDP/FSDP; the runner prepares data before the trainer exists)
+            self._modules = [
+                TextDataModule(task.data, tok_cfg, task.pipeline, seed=self.seed + t, run_dir=None,
+                               model_vocab_size=self.model_vocab_size, rank=self._rank, world_size=self._world)
+                for t, task in enumerate(self.tasks)]
+        return self._modules
+
+    def _ready(self) -> list[TextDataModule]:
+        if self._rates is None:
+            self.setup()
+        return self._modules
+
+    def _train_examples(self, t: int):
+        return self._ready_module(t)._datasets["train"]
+
+    def _ready_module(self, t: int) -> TextDataModule:
+        if self._modules is None or self._modules[t]._prepared is None:
+            self.setup()
+        return self._modules[t]
+
+    def _tasks_with(self, split: str) -> list[int]:
+        return [t for t in range(len(self.tasks)) if split in self._ready_module(t)._prepared.sources]
+
+    def _begin_train(self) -> None:
+        if self._sampler is not None:
+            self._sampler.resume(self._micro, self._task_batches)

@@ -1,0 +1,203 @@
+"""Multi-task pretraining: one LanguageModel trained on a mixture of tasks (UniLM, Dong et al.
+2019; UL2, Tay et al. 2022; T5's mixtures, Raffel et al. 2020, 3.5). Every training batch
+belongs to one task (batch["task"], the data module's MixtureBatchSampler draws one task per
+optimizer step, the same on every rank); the loss is that task's objective, computed by the
+same functions the single objectives use, so a mixture of one task trains exactly as the
+single objective does. The attention mode travels with the batch: a decoder's rows carry
+prefix_lengths (0 causal, p prefix, T bidirectional), and a batch without them keeps SDPA's
+fused causal path.
+
+Logged per task (besides the mixture's train/loss, train/lr, ...):
+  train/<task>/loss, train/<task>/ppl, train/<task>/bpb, train/<task>/accuracy (mlm: masked
+  tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
+  train/<task>/step_share, train/<task>/token_share: its share of the micro-batches and of the
+  input tokens so far (saved in checkpoints, so a resumed run goes on counting);
+  val/<task>/loss, ppl, bpb, masked_accuracy or token_accuracy, as the single objectives name them.
+
+Shape legend: B batch, T length.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Unpack
+
+import torch
+
+from ..model.config import TransformerConfig
+from ..model.language_model import LanguageModel
+from ..registry import MIXTURE, implements
+from ..schema import OptimConfig, RunConfig
+from .base import ObjectiveBase, ObjectiveOptions, as_language_model, non_pad_tokens
+from .causal_lm import causal_terms
+from .masked_lm import masked_terms
+from .metrics import TokenAverage, bits_per_byte
+from .seq2seq import seq2seq_terms
+
+# the accuracy each task objective reports, named as its single objective names it
+_ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
+
+
+@implements(MIXTURE)
+class MultiTaskLM(ObjectiveBase):
+    def __init__(self, model: TransformerConfig | LanguageModel | dict, tasks: list[dict[str, Any]],
+                 optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
+                 bytes_per_token: list[float | None] | None = None, **options: Unpack[ObjectiveOptions]):
+        """`tasks`: [{"name": ..., "objective": mlm | clm | prefix_lm | span | seq2seq}] in the
+        data module's order (batch["task"] indexes it). `bytes_per_token`: each task's
+        validation bytes per token (None where it has no validation split), for bits per byte."""
+        lm = as_language_model(model)
+        tasks = [{"name": str(t["name"]), "objective": str(t["objective"])} for t in tasks]
+        if not tasks:
+            raise ValueError("a mixture needs at least one task")
+        per_task = list(bytes_per_token) if bytes_per_token is not None else [None] * len(tasks)
+        if len(per_task) != len(tasks):
+            raise ValueError(f"bytes_per_token has {len(per_task)} entries for {len(tasks)} tasks")
+        hparams = {"model": lm.config.to_dict(), "tasks": tasks, "bytes_per_token": per_task}
+        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, hparams=hparams, **options)
+        self.model = lm
+        self.tasks = tasks
+        self.task_bytes_per_token = per_task
+        self.encoder_decoder = lm.config.arch == "encoder_decoder"
+        for task in tasks:
+            self.eval_metrics[_key(task, "loss")] = TokenAverage()
+            if self._accuracy_name(task) is not None:
+                self.eval_metrics[_key(task, self._accuracy_name(task))] = TokenAverage()
+        # micro-batches and input tokens each task has trained on (global over ranks)
+        self.task_batches = [0] * len(tasks)
+        self.task_tokens = [0.0] * len(tasks)
+
+    @classmethod
+    def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
+        """The recipe's tasks in order; `data` is the MixtureDataModule."""
+        tasks = [{"name": t.name, "objective": t.objective} for t in cfg.tasks]
+        bytes_per_token = [data.bytes_per_token_of(i) for i in range(len(tasks))]
+        return cls(model, tasks, bytes_per_token=bytes_per_token, **cls.recipe_options(cfg))
+
+    @classmethod
+    def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
+        from ..tasks import mixture_data_module
+
+        return mixture_data_module(cfg, run_dir, model_vocab_size, workers)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **kwargs: torch.Tensor) -> torch.Tensor:
+        """The language model's logits; keyword inputs (prefix_lengths, decoder_input_ids, ...) pass through."""
+        return self.model(input_ids, attention_mask, **kwargs)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        index = int(batch["task"])
+        task = self.tasks[index]
+        loss_sum, nll_sum, count, correct = self._terms(task, batch, self.optim.label_smoothing)
+        n = self.token_normalizer(count)
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        loss = self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count)
+        if self._trainer is not None:
+            self._log_task(index, loss_sum / n, nll_sum / n, correct / n, batch)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def eval_update(self, batch: dict[str, Any], batch_idx: int) -> None:
+        task = self.tasks[int(batch["task"])]
+        _, nll_sum, count, correct = self._terms(task, batch, 0.0)
+        self.eval_metrics[_key(task, "loss")].update(nll_sum, count)
+        accuracy = self._accuracy_name(task)
+        if accuracy is not None:
+            self.eval_metrics[_key(task, accuracy)].update(correct, count)
+
+    def eval_compute(self) -> dict[str, float]:
+        """{"<task>/loss", "<task>/ppl", "<task>/bpb", "<task>/<accuracy>"} for every task that
+        saw evaluation batches (every rank computes every metric: they synchronise)."""
+        out: dict[str, float] = {}
+        for index, task in enumerate(self.tasks):
+            metric = self.eval_metrics[_key(task, "loss")]
+            seen = float(metric.count) > 0
+            loss = metric.compute() if seen else None
+            accuracy = self._accuracy_name(task)
+            value = self.eval_metrics[_key(task, accuracy)].compute() if accuracy is not None and seen else None
+            if loss is None:
+                continue
+            out.update({f"{task['name']}/{k}": v for k, v in self._lm_values(index, float(loss)).items()})
+            if value is not None:
+                out[f"{task['name']}/{accuracy}"] = float(value)
+        return out
+
+    def evaluation_streams(self, data: Any, task: str | None = None) -> list[tuple[str, Any]]:
+        """(prefix, validation batches) per task, for `evaluate`: "<task>/" before each metric,
+        or, for one task, no prefix (the single objective's keys)."""
+        names = [t["name"] for t in self.tasks]
+        if task is not None and task not in names:
+            from ..data.errors import closest
+
+            raise KeyError(f"--task {task}: the mixture's tasks are {names}{closest(task, names)}")
+        streams = []
+        for index, loader in zip(data.val_tasks, data.val_dataloader()):
+            name = names[index]
+            if task is None or name == task:
+                streams.append(("" if task is not None else f"{name}/", loader, name))
+        return [(prefix, loader) for prefix, loader, _ in streams]
+
+    # ------------------------------------------------------------------ internals
+    def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float):
+        """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""
+        objective = task["objective"]
+        if objective == "mlm":
+            return masked_terms(self.model, batch, label_smoothing)
+        fused = self.fuse_head_and_loss()
+        if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
+            return seq2seq_terms(self.model, batch, label_smoothing, fused=fused)
+        loss_sum, nll_sum, count = causal_terms(self.model, batch, label_smoothing, fused=fused)  # clm, prefix_lm
+        return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
+
+    def _accuracy_name(self, task: dict[str, str]) -> str | None:
+        if task["objective"] == "mlm":
+            return _ACCURACY["mlm"]
+        return _ACCURACY["seq2seq"] if self.encoder_decoder else None
+
+    def _lm_values(self, index: int, loss: float) -> dict[str, float]:
+        out = {"loss": loss, "ppl": math.exp(min(loss, 700.0))}
+        if self.task_bytes_per_token[index] is not None:
+            out["bpb"] = bits_per_byte(loss, self.task_bytes_per_token[index])
+        return out
+
+    def _log_task(self, index: int, loss: torch.Tensor, nll: torch.Tensor, accuracy: torch.Tensor,
+                  batch: dict[str, Any]) -> None:
+        task = self.tasks[index]
+        tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
+        if "decoder_input_ids" in batch:
+            tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
+        loss, nll, accuracy, tokens = self._ranks_mean([loss, nll, accuracy, tokens])
+        name = task["name"]
+        self.log(f"train/{name}/loss", loss)
+        self.log(f"train/{name}/ppl", nll.exp())
+        if self.task_bytes_per_token[index] is not None:
+            self.log(f"train/{name}/bpb", bits_per_byte(float(nll), self.task_bytes_per_token[index]))
+        if self._accuracy_name(task) is not None:
+            self.log(f"train/{name}/accuracy", accuracy)
+        self.task_batches[index] += 1
+        self.task_tokens[index] += float(tokens) * self.trainer.world_size
+        batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
+        for other, count, used in zip(self.tasks, self.task_batches, self.task_tokens):
+            self.log(f"train/{other['name']}/step_share", count / batches)
+            self.log(f"train/{other['name']}/token_share", used / all_tokens)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["task_batches"] = list(self.task_batches)
+        checkpoint["task_tokens"] = list(self.task_tokens)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.task_batches = list(checkpoint.get("task_batches", [0] * len(self.tasks)))
+        self.task_tokens = list(checkpoint.get("task_tokens", [0.0] * len(self.tasks)))
+
+
+def _key(task: dict[str, str], metric: str) -> str:
+    """An eval_metrics key (module names may not hold dots; task names hold no '/')."""
+    return f"{task['name'].replace('.', '_')}/{metric}"
