@@ -187,6 +187,10 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     if cfg.data.document_mask and model.attention_kind == "linear":
         raise RecipeError(f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
                           "(linear attention's running sums cross document boundaries)")
+    if cfg.optim.optimizer == "muon" and cfg.trainer.strategy == "fsdp":
+        # Muon orthogonalises the update of a whole matrix (Newton-Schulz); FSDP2 holds shards
+        raise RecipeError(f"{source}: optim.optimizer=muon needs whole weight matrices: use trainer.strategy=ddp "
+                          "or auto, not fsdp")
     key, length = longest_input(cfg)
     if model.position == "learned" and length > model.max_seq_len:  # at startup, not at the first batch
         raise RecipeError(f"{source}: {key}={length} exceeds model.max_seq_len={model.max_seq_len}, "

@@ -27,7 +27,7 @@ from .averaging import last_checkpoints, load_average, record_average, write_ave
 from .distributed import is_sharded
 from .schema import RunConfig
 from .tasks import trains_bidirectional_mode
-from .training import SampleGenerations, build_trainer, finish_wandb
+from .training import SampleGenerations, build_trainer, finish_wandb, time_budget_spent
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -128,13 +128,17 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra,
                                     progress_bar=progress_bar)
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt is not None else None)
-        interrupted = trainer.interrupted or trainer.global_step < cfg.trainer.max_steps
+        # a run whose trainer.max_time ran out is finished, like one that reached max_steps
+        spent = time_budget_spent(trainer)
+        interrupted = trainer.interrupted or (trainer.global_step < cfg.trainer.max_steps and not spent)
         average = cfg.trainer.average_last or 1
         # FSDP2 shards cannot take a whole state dict: a sharded run's average is written after
         # save_final (its metrics are then those of the last weights)
         averaged = (load_average(module, run_dir, average)
                     if not interrupted and average > 1 and not is_sharded(module) else [])
-        validated_last = not averaged and cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0 and any(
+        # Lightning validates at the step where should_stop was set (a spent time budget) too
+        at_end = spent or cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0
+        validated_last = not averaged and at_end and any(
             k.startswith("val/") for k in trainer.callback_metrics)  # not so after resuming a finished run
         if not interrupted and not validated_last:
             with worker_errors():

@@ -31,6 +31,8 @@ Pooling = Literal["first", "mean", "last"]
 Attention = Literal["causal", "bidirectional"]
 Schedule = Literal["constant", "linear", "cosine", "inverse_sqrt"]
 SCHEDULES = typing.get_args(Schedule)
+OptimizerName = Literal["adamw", "muon"]
+OPTIMIZERS = typing.get_args(OptimizerName)
 # what one task of a mixture trains (tasks.py): prefix_lm is bidirectional over a prefix and
 # causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder)
 TaskObjective = Literal["mlm", "clm", "prefix_lm", "span", "seq2seq"]
@@ -95,10 +97,23 @@ class OptimConfig:
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # cosine/linear decay floor as a fraction of lr
     label_smoothing: float = 0.0  # the 2017 paper used 0.1
+    # muon: Muon (Jordan et al. 2024, torch.optim.Muon) for the 2-D weight matrices of the
+    # Transformer blocks, AdamW for the rest, as the modded-nanoGPT speedrun does (optim.py)
+    optimizer: OptimizerName = "adamw"
+    muon_lr: float = 0.02  # Muon's peak lr (Jordan's reference Muon's default; `lr` stays AdamW's), same schedule
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (the reference's and the speedrun's)
+    # PaLM's auxiliary z_loss * log(Z)^2 per predicted token on the LM objectives' training loss,
+    # keeping the softmax normaliser near 1 (Chowdhery et al. 2022, section 5: 1e-4); 0: off
+    z_loss: float = 0.0
 
     def __post_init__(self):
         need(self.schedule in SCHEDULES, "optim.schedule", self.schedule,
              f"is not one of {list(SCHEDULES)}{closest(str(self.schedule), SCHEDULES)}")
+        need(self.optimizer in OPTIMIZERS, "optim.optimizer", self.optimizer,
+             f"is not one of {list(OPTIMIZERS)}{closest(str(self.optimizer), OPTIMIZERS)}")
+        need(self.muon_lr > 0, "optim.muon_lr", self.muon_lr, "must be positive")
+        need(0 <= self.muon_momentum < 1, "optim.muon_momentum", self.muon_momentum, "is outside [0, 1)")
+        need(self.z_loss >= 0, "optim.z_loss", self.z_loss, "must not be negative")
         need(self.lr > 0, "optim.lr", self.lr, "must be positive")
         need(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must not be negative")
         for key in ("beta1", "beta2"):
@@ -122,7 +137,11 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    max_steps: int = 1000  # optimizer steps
+    max_steps: int = 1000  # optimizer steps (with max_time: an upper bound)
+    # a budget in seconds of training (training.TimeBudget says what counts: from the first
+    # training batch, without validation), after which the run finishes as at max_steps; the
+    # linear and cosine schedules then decay over it. None: no budget
+    max_time: Optional[float] = None
     devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
     num_nodes: int = 1
     accelerator: Accelerator = "auto"
@@ -165,6 +184,7 @@ class TrainerConfig:
         need_positive_int("trainer.num_threads", self.num_threads, optional=True)
         need_positive_int("trainer.limit_val_batches", self.limit_val_batches, optional=True)
         need_positive_int("trainer.average_last", self.average_last, optional=True)
+        need(self.max_time is None or self.max_time > 0, "trainer.max_time", self.max_time, "must be positive or null")
 
 
 @dataclass

@@ -204,10 +204,62 @@ class NonFiniteGuard(Callback):
                 "instead of fp16, then resume=auto")
 
 
+class TimeBudget(Callback):
+    """trainer.max_time: stops training once `max_time` seconds of training are spent; the run
+    then finishes as at max_steps (final validation, final model, metrics.json).
+
+    What counts is the objective's `train_clock`, which this callback runs: from the start of
+    the first training batch (not the start-up before it: tokenizer, packing, building the model,
+    the first batch's loading), through every training step, its data loading, logging and
+    checkpoint writing, and not through validation (stopped from on_validation_start to the next
+    training batch). Lightning's own max_time counts from fit's start and through validation,
+    so the steps it leaves depend on those. Once per optimizer step, before the update, the
+    clock is marked (with the largest reading of all ranks, so that every rank schedules the
+    same learning rate and stops at the same step): the learning-rate schedule reads that mark,
+    and the step that marks the budget spent is the last. A resumed run goes on from the time
+    its checkpoint saved."""
+
+    def __init__(self, max_time: float):
+        self.max_time = max_time
+        self.spent = False  # whether the budget ran out (the run is then finished, not interrupted)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if pl_module.train_clock.elapsed >= self.max_time:  # resuming a run that spent its budget
+            self.spent = trainer.should_stop = True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        pl_module.train_clock.start()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        seconds = pl_module.train_clock.read()
+        if trainer.world_size > 1:
+            reading = torch.tensor(seconds, dtype=torch.float64, device=pl_module.device)
+            seconds = float(trainer.strategy.reduce(reading, reduce_op="max"))
+        if pl_module.train_clock.mark(seconds) >= self.max_time:
+            self.spent = trainer.should_stop = True  # this step still runs; the loop ends after it
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        pl_module.train_clock.stop()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        pl_module.train_clock.stop()
+
+
+def time_budget_spent(trainer: L.Trainer) -> bool:
+    """Whether the run stopped because trainer.max_time ran out (TimeBudget)."""
+    return any(isinstance(c, TimeBudget) and c.spent for c in trainer.callbacks)
+
+
 class ProgressBar(RichProgressBar):
     """Rich progress bar counting optimizer steps toward trainer.max_steps across epochs (a
     resumed run starts at its step), with elapsed and remaining time, the training loss and
-    tokens/s (the objectives log both with prog_bar=True), and no Lightning version number."""
+    tokens/s (the objectives log both with prog_bar=True), and no Lightning version number.
+    With a time budget the bar still counts steps (max_steps is its upper bound) and the
+    metrics show the seconds of training spent out of trainer.max_time."""
+
+    def __init__(self, max_time: float | None = None):
+        super().__init__()
+        self.max_time = max_time
 
     @property
     def total_train_batches(self) -> int:
@@ -236,6 +288,9 @@ class ProgressBar(RichProgressBar):
         speed = trainer.callback_metrics.get("train/tokens_per_s")
         if speed is not None:
             items["tokens/s"] = f"{float(speed):,.0f}"
+        clock = getattr(pl_module, "train_clock", None)
+        if self.max_time is not None and clock is not None:
+            items["budget"] = f"{clock.read():,.0f}/{self.max_time:,.0f} s"
         return items
 
 
@@ -289,8 +344,10 @@ def build_callbacks(cfg: RunConfig, run_dir: Path, extra: Sequence[Callback] = (
         StepSeed(cfg.trainer.seed),
         NonFiniteGuard(cfg.trainer.nonfinite_patience, run_dir / CHECKPOINT_DIR),
     ]
+    if cfg.trainer.max_time is not None:
+        callbacks.append(TimeBudget(cfg.trainer.max_time))
     if progress_bar:
-        callbacks.append(ProgressBar())
+        callbacks.append(ProgressBar(cfg.trainer.max_time))
     return callbacks + list(extra)
 
 

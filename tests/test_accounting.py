@@ -25,7 +25,7 @@ GRID = {
     "position": ("sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"),
     "norm": ("layernorm", "rmsnorm"),
     "norm_position": ("pre", "post"),
-    "activation": ("relu", "gelu", "gelu_tanh", "swiglu", "geglu", "geglu_tanh"),
+    "activation": ("relu", "gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "geglu_tanh"),
     "bias": (True, False),
     "tie_embeddings": (True, False),
     "lm_head": ("linear", "bert_mlm"),
@@ -34,6 +34,7 @@ GRID = {
     "head_dim": (None, 6),  # None: 24 // 6 = 4; 6 decouples heads from d_model (T5)
     "embedding_norm": (False, True),
     "n_decoder_layers": (None, 3),
+    "qk_norm": (False, True),  # two (D,) scales per attention module, cross-attention included
 }
 
 
@@ -79,6 +80,15 @@ def test_parameter_count_equals_built_model_for_presets(name):
     cfg = preset(name)
     assert count_parameters(cfg) == built_parameters(cfg)
     assert sum(parameter_breakdown(cfg).values()) == count_parameters(cfg)
+
+
+@pytest.mark.parametrize("name, attention_modules", [("gpt2-small", 12), ("t5-base", 12 + 2 * 12),
+                                                     ("tinyllama-1.1b", 22)])
+def test_parameter_count_with_qk_norm_equals_built_model(name, attention_modules):
+    cfg = preset(name, qk_norm=True)
+    assert count_parameters(cfg) == built_parameters(cfg)
+    # a (D,) scale for queries and one for keys in every attention module (T5: cross-attention too)
+    assert count_parameters(cfg) - count_parameters(preset(name)) == attention_modules * 2 * cfg.dim_per_head
 
 
 def test_non_embedding_parameters_are_the_blocks():
@@ -127,6 +137,9 @@ MEASURED = {
     "t5-like": dict(arch="encoder_decoder", position="t5_relative", norm="rmsnorm", bias=False, head_dim=6,
                     n_decoder_layers=3, n_kv_heads=3, activation="geglu_tanh", tie_embeddings=False),
     "vaswani-like": dict(arch="encoder_decoder", position="sinusoidal", norm_position="post", activation="relu"),
+    # QK-norm and relu2 are elementwise: they add no matrix-product FLOPs
+    "speedrun-like": dict(arch="encoder_decoder", position="rope", norm="rmsnorm", qk_norm=True, activation="relu2",
+                          bias=False, n_kv_heads=2),
 }
 
 

@@ -92,6 +92,7 @@ UNLIKE_GPT2 = dict(
     activation="swiglu", bias=False, dropout=0.2, attention_dropout=0.05, scale_embeddings=True,
     scale_attention=False, type_vocab_size=2, tie_embeddings=False, lm_head="bert_mlm",
     scale_decoder_output=True, init_std=0.03, attention_impl="math", sliding_window=16, global_tokens=1,
+    qk_norm=True,
 )
 
 

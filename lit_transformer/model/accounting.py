@@ -24,8 +24,8 @@ Training FLOPs (`train_flops`, `train_flops_per_token`)
     * dense: 6 FLOPs per weight of every matrix a token passes through, per token. This
       includes the LM head's unembedding (2CV per output token, tied or not: the matmul
       happens either way) and BERT's MLM transform, and leaves out embedding lookups,
-      norms, biases, activations, softmax and RoPE (elementwise, O(C) per token, not
-      matrix products).
+      norms (QK-norm's too), biases, activations, softmax and RoPE (elementwise, O(C) per
+      token, not matrix products).
     * attention: QK^T and softmax(.)V each cost 2*H*D FLOPs per (query, key) pair, so
       training costs 12*H*D per pair and layer: per decoder-only token 12*L*H*D*T.
       This is PaLM's `6N + 12*L*H*Q*T` (Chowdhery et al. 2022, appendix B). Like PaLM we
@@ -85,7 +85,8 @@ def _attention_params(cfg: TransformerConfig) -> int:
     qo, kv = _attention_weights(cfg)
     H, K, D = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
     biases = H * D + 2 * K * D + cfg.d_model if cfg.bias else 0  # q, k, v, o
-    return qo + kv + biases
+    qk_norm = 2 * D if cfg.qk_norm else 0  # one (D,) RMSNorm scale each for queries and keys
+    return qo + kv + biases + qk_norm
 
 
 def _ffn_weights(cfg: TransformerConfig) -> int:
@@ -119,7 +120,8 @@ def parameter_breakdown(cfg: TransformerConfig) -> dict[str, int]:
 
     Keys: embeddings.{tokens,token_types,positions} (positions: learned tables and T5
     relative-bias tables of every stack), {encoder,decoder}.{attention,cross_attention,ffn,norms}
-    (norms: block norms, the pre-norm final norm and the embedding norm of that stack),
+    (norms: block norms, the pre-norm final norm and the embedding norm of that stack; QK-norm
+    scales live inside the attention modules and count under attention),
     lm_head.{transform,unembedding,bias}.
     """
     C = cfg.d_model

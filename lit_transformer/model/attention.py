@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import RMSNorm
 from .linear_attention import LinearMask, LinearState, linear_attention
 from .masks import IntervalMask, masked_attention
 from .positions import apply_rope
@@ -195,7 +196,7 @@ class Attention(nn.Module):
     """Multi-head attention with K <= H key/value heads (K = H: MHA, K = 1: MQA, else GQA)."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool,
-                 dropout: float, scale: bool, impl: str):
+                 dropout: float, scale: bool, impl: str, qk_norm: bool = False, norm_eps: float = 1e-6):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim) if scale else 1.0
@@ -204,6 +205,12 @@ class Attention(nn.Module):
         self.k = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.v = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        # QK-norm (Dehghani et al. 2023; Wortsman et al. 2023): RMSNorm over each head's D
+        # features with one learned (D,) scale shared by the heads, as Qwen3 and Gemma 3 (OLMo 2
+        # normalises the whole H*D projection instead). Before RoPE, as those models; and before
+        # keys enter the KV cache, so cached decoding sees exactly the keys recomputation would.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -224,9 +231,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if memory is not None:
             q = self._heads(self.q(x), self.n_heads)  # (B, H, T, D)
+            if self.q_norm is not None:
+                q = _normed(self.q_norm, q)
             k, v = self._cross_keys_values(memory, cache, layer)
         else:
             q, k, v = self._project_qkv(x)
+            if self.q_norm is not None:
+                q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             if isinstance(bias, LinearMask):  # recurrent state instead of a KV cache
@@ -267,9 +278,17 @@ class Attention(nn.Module):
         else:
             k, v = self.k(memory), self.v(memory)
         k, v = self._heads(k, self.n_kv_heads), self._heads(v, self.n_kv_heads)  # (B, K, S, D)
+        if self.k_norm is not None:
+            k = _normed(self.k_norm, k)
         if cache is not None:
             cache.cross[layer] = (k, v)
         return k, v
+
+
+def _normed(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """QK-norm in x's dtype: under bf16 autocast the float32 scale would promote q and k to
+    float32 beside a bf16 v (twice the bytes kept for backward) and miss `_matmuls_faster`."""
+    return norm(x).to(x.dtype)
 
 
 def _stack(x: torch.Tensor, *linears: nn.Module) -> bool:

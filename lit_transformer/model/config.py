@@ -15,7 +15,7 @@ Arch = Literal["encoder", "decoder", "encoder_decoder"]
 Position = Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
-Activation = Literal["relu", "gelu", "gelu_tanh", "swiglu", "geglu", "geglu_tanh"]
+Activation = Literal["relu", "gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "geglu_tanh"]
 LMHead = Literal["linear", "bert_mlm"]
 AttentionImpl = Literal["sdpa", "math"]
 AttentionKind = Literal["softmax", "linear"]
@@ -53,7 +53,11 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     norm_position: NormPosition = "pre"  # pre-norm stacks end with a final norm
     embedding_norm: bool = False  # BERT normalises the summed embeddings
-    activation: Activation = "gelu"
+    # QK-norm: RMS-normalise each head's queries and keys (learned scale, before RoPE) in every
+    # attention layer. Bounds the attention logits, which otherwise grow until softmax saturates
+    # (Dehghani et al. 2023, ViT-22B; Wortsman et al. 2023); modded-nanoGPT, Qwen3, OLMo 2 use it.
+    qk_norm: bool = False
+    activation: Activation = "gelu"  # relu2: max(0, x)^2 (So et al. 2021, Primer), not gated
     bias: bool = True  # biases of attention and feed-forward projections
     dropout: float = 0.0  # embeddings and residual branches
     attention_dropout: float = 0.0

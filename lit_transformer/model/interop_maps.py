@@ -478,6 +478,12 @@ def family_for_export(cfg: TransformerConfig) -> Family:
         if getattr(cfg, name) != full:
             raise InteropError(f"cannot export to transformers: model.{name}={getattr(cfg, name)!r}; BERT, GPT-2, "
                                f"T5 and LLaMA have full softmax attention only (model.{name}={full!r})")
+    # The speedrun levers (issue #14) have no place in these layouts: QK-norm's scales would be
+    # dropped, and relu2 is mapped neither way (_PLAIN_ACTIVATIONS, _EXPORT_ACTIVATIONS).
+    if cfg.qk_norm or cfg.activation == "relu2":
+        name, value = ("qk_norm", True) if cfg.qk_norm else ("activation", "relu2")
+        raise InteropError(f"cannot export to transformers: model.{name}={value!r}; BERT, GPT-2, T5 and LLaMA "
+                           "have no query/key norm and no squared-ReLU feed-forward")
     if cfg.arch == "encoder":
         return BERT
     if cfg.arch == "decoder" and cfg.position == "learned":

@@ -45,6 +45,10 @@ def activation_fn(name: str):
     """The elementwise nonlinearity of a (possibly gated) feed-forward network."""
     if name == "relu":
         return F.relu
+    if name == "relu2":
+        # So et al. 2021 (Primer, abstract): one of the two changes its search found to carry
+        # most of the gain; modded-nanoGPT's MLP uses it too.
+        return _relu_squared
     if name in ("gelu", "geglu"):
         return F.gelu  # exact erf form (BERT; Shazeer 2020 GeGLU)
     if name in ("gelu_tanh", "geglu_tanh"):
@@ -52,6 +56,10 @@ def activation_fn(name: str):
     if name == "swiglu":
         return F.silu
     raise ValueError(f"unknown activation {name!r}")
+
+
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
 
 
 class FeedForward(nn.Module):

@@ -23,6 +23,7 @@ def _attention(cfg: TransformerConfig) -> Attention:
     return Attention(
         cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_per_head, bias=cfg.bias,
         dropout=cfg.attention_dropout, scale=cfg.scale_attention, impl=cfg.attention_impl,
+        qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
     )
 
 

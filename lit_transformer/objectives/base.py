@@ -50,7 +50,7 @@ from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
 from ..schema import OptimConfig, RunConfig
 from .metrics import bits_per_byte, peak_flops_for
-from .optim import build_optimizer, make_scheduler, parameter_groups
+from .optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
 
 
 def as_model_config(value: TransformerConfig | dict) -> TransformerConfig:
@@ -76,16 +76,19 @@ class ObjectiveOptions(TypedDict, total=False):
     activation_checkpointing  recompute each Block in backward instead of keeping its activations
                               (memory for about one more forward pass)
     compile                   torch.compile every Block (identical blocks share one graph)
+    max_time                  seconds of training (trainer.max_time) the linear and cosine
+                              schedules decay over, read from `train_clock`; None: max_steps
     """
 
     peak_flops: float | None
     skip_nonfinite: bool
     activation_checkpointing: bool
     compile: bool
+    max_time: float | None
 
 
 OPTION_DEFAULTS: dict[str, Any] = {"peak_flops": None, "skip_nonfinite": True, "activation_checkpointing": False,
-                                   "compile": False}
+                                   "compile": False, "max_time": None}
 
 
 def non_pad_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -124,6 +127,9 @@ class ObjectiveBase(L.LightningModule):
         self.skip_nonfinite = options["skip_nonfinite"]
         self.activation_checkpointing = options["activation_checkpointing"]
         self.compile_blocks = options["compile"]  # not `self.compile`: that is nn.Module.compile
+        self.max_time = options["max_time"]
+        # seconds of training so far (run by training.TimeBudget, saved in checkpoints)
+        self.train_clock = TrainingClock()
         self.skipped_steps = 0
         self.eval_metrics = nn.ModuleDict()
         self._flops_cache: dict[tuple[int, int | None], tuple[float, float]] = {}
@@ -144,7 +150,7 @@ class ObjectiveBase(L.LightningModule):
     def recipe_options(cfg: RunConfig) -> dict[str, Any]:
         """The constructor arguments every objective takes from a recipe."""
         return dict(optim=cfg.optim, max_steps=cfg.trainer.max_steps, compile=cfg.trainer.compile,
-                    activation_checkpointing=cfg.trainer.activation_checkpointing)
+                    activation_checkpointing=cfg.trainer.activation_checkpointing, max_time=cfg.trainer.max_time)
 
     @classmethod
     def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
@@ -350,13 +356,15 @@ class ObjectiveBase(L.LightningModule):
         return not (mixed and self.trainer.gradient_clip_val)
 
     def configure_optimizers(self):
-        groups = parameter_groups(self, self.optim.weight_decay, lr_scales=self.lr_scales())
+        groups = parameter_groups(self, self.optim.weight_decay, lr_scales=self.lr_scales(),
+                                  muon=self.optim.optimizer == "muon")
         optimizer = build_optimizer(groups, self.optim, allow_fused=self._fused_allowed())
         max_steps = self.max_steps
         if (max_steps is None or max_steps <= 0) and self._trainer is not None:
             estimated = self.trainer.estimated_stepping_batches
             max_steps = int(estimated) if math.isfinite(estimated) else None
-        scheduler = make_scheduler(optimizer, self.optim, max_steps, self.model_config.d_model)
+        scheduler = make_scheduler(optimizer, self.optim, max_steps, self.model_config.d_model,
+                                   max_time=self.max_time, clock=self.train_clock)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
@@ -367,11 +375,13 @@ class ObjectiveBase(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps
+        checkpoint["train_seconds"] = self.train_clock.read()  # a resumed time budget goes on from here
         checkpoint[OBJECTIVE_KEY] = self.objective_name
         checkpoint[MODEL_CONFIG_KEY] = self.model_config.to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        self.train_clock.reset(float(checkpoint.get("train_seconds", 0.0)))
 
     # ------------------------------------------------------------------ throughput internals
     def _count_work(self, batch: dict[str, torch.Tensor], flop_tokens: torch.Tensor | float,

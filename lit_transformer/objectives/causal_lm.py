@@ -36,7 +36,7 @@ class CausalLM(ObjectiveBase):
         return self.model(input_ids, attention_mask)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss_sum, nll_sum, count = self._terms(batch, self.optim.label_smoothing)
+        loss_sum, nll_sum, count = self._terms(batch, self.optim.label_smoothing, self.optim.z_loss)
         n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
@@ -58,13 +58,15 @@ class CausalLM(ObjectiveBase):
 
         return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
 
-    def _terms(self, batch, label_smoothing: float):
-        return causal_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss())
+    def _terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
+        return causal_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
-def causal_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool):
+def causal_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool,
+                 z_loss: float = 0.0):
     """(loss sum, NLL sum, target count) of next-token prediction over the labels the collator
     shifted; the head and the loss run fused when `fused` (training with a plain head weight).
+    The loss sum holds the label smoothing and the z-loss (metrics.token_cross_entropy).
     Also serves the prefix LM of a mixture, whose batch carries prefix_lengths."""
     labels = batch["labels"]
     if labels.shape != batch["input_ids"].shape:
@@ -75,11 +77,12 @@ def causal_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smo
         features = model.head_features(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, C)
         decoder = model.lm_head.decoder
         loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
-                                                           labels.reshape(-1), label_smoothing, count_correct=False)
+                                                           labels.reshape(-1), label_smoothing, z_loss=z_loss,
+                                                           count_correct=False)
         return loss_sum, nll_sum, count
     logits = model(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, V)
     V = logits.shape[-1]
-    return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing)  # (B*T, V)
+    return token_cross_entropy(logits.reshape(-1, V), labels.reshape(-1), label_smoothing, z_loss)  # (B*T, V)
 
 
 def _row_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,7 +6,8 @@ the NLL and another for the log-softmax: for GPT-2's 50,257-token vocabulary at 
 that is over 5 GB of tensors, more than the rest of the model's activations. Here each chunk of
 `chunk_rows` rows computes its logits, its loss terms and at once the gradient of the loss with
 respect to those logits, p - (1 - eps) onehot - eps / V (softmax cross-entropy's gradient,
-label smoothing as in F.cross_entropy), turns that into the gradients of the features, weight
+label smoothing as in F.cross_entropy; with PaLM's z-loss z * lse^2 also + 2 z lse p, lse the
+log of the softmax normaliser), turns that into the gradients of the features, weight
 and bias with two matrix products, and drops the logits. Backward only scales the stored
 gradients. The same idea as Liger-Kernel's FusedLinearCrossEntropy (Hsu et al. 2024), written
 with torch operations.
@@ -30,8 +31,8 @@ CHUNK_ROWS = 2048  # (R, V) float32 logits: 400 MB at V = 50,257; a few chunks k
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, bias, labels, label_smoothing: float, chunk_rows: int, compute_dtype,
-                count_correct: bool):
+    def forward(ctx, features, weight, bias, labels, label_smoothing: float, z_loss: float, chunk_rows: int,
+                compute_dtype, count_correct: bool):
         x = features.to(compute_dtype)  # (N, C)
         w = weight.to(compute_dtype)  # (V, C)
         b = bias.to(compute_dtype) if bias is not None else None
@@ -47,7 +48,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         eps = label_smoothing
         # Each (R, V) pass over the logits costs about as much as the loss itself, so the chunk
-        # makes as few as it can: the log-softmax, a gather, (with smoothing) a mean, the exp
+        # makes as few as it can: the log-softmax (with the z-loss a logsumexp and a subtraction
+        # instead), a gather, (with smoothing) a mean, the exp
         # and mask into the gradient (no host sync to skip the mask), one scatter.
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
@@ -57,7 +59,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = torch.nn.functional.linear(x[rows], w, b).float()  # (R, V)
             if count_correct:
                 correct += ((logits.argmax(-1) == labels[rows]) & keep[rows]).sum()
-            log_probs = logits.log_softmax(-1)  # (R, V)
+            if z_loss:
+                lse = logits.logsumexp(-1, keepdim=True)  # (R, 1): log Z, which the z-loss keeps near 0
+                log_probs = logits.sub_(lse)  # (R, V)
+                loss += z_loss * (lse.square() * mask).sum()
+            else:
+                log_probs = logits.log_softmax(-1)  # (R, V)
             del logits
             chunk_nll = -(log_probs.gather(-1, targets[rows, None]) * mask).sum()
             nll += chunk_nll
@@ -66,8 +73,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss -= eps * (log_probs.mean(-1, keepdim=True) * mask).sum()  # mean over V of -log p
             if grad_x is None and grad_w is None and grad_b is None:
                 continue
-            # d loss / d logits = p - (1 - eps) onehot - eps / V, zero on ignored rows
-            grad = log_probs.exp_().mul_(mask)  # (R, V): the softmax, zero on ignored rows
+            # d loss / d logits = p (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows
+            scale = mask * (1 + 2 * z_loss * lse) if z_loss else mask  # (R, 1)
+            grad = log_probs.exp_().mul_(scale)  # (R, V): the (scaled) softmax, zero on ignored rows
             grad.scatter_add_(-1, targets[rows, None], -(1 - eps) * mask)
             if eps:
                 grad.sub_(eps / V * mask)
@@ -93,20 +101,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_x = (grad_x.float() * scale).to(x_dtype) if grad_x is not None else None
         out_w = (grad_w * scale).to(w_dtype) if grad_w is not None else None
         out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
-        return out_x, out_w, out_b, None, None, None, None, None
+        return out_x, out_w, out_b, None, None, None, None, None, None
 
 
 def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         labels: torch.Tensor, label_smoothing: float = 0.0, *, chunk_rows: int = CHUNK_ROWS,
-                         count_correct: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         labels: torch.Tensor, label_smoothing: float = 0.0, *, z_loss: float = 0.0,
+                         chunk_rows: int = CHUNK_ROWS, count_correct: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """features (N, C), weight (V, C), bias (V,) or None, labels (N,) with IGNORE_INDEX skipped
-    -> (loss_sum, nll_sum, count, correct), the same values as `token_cross_entropy` on
+    -> (loss_sum, nll_sum, count, correct), the same values as `token_cross_entropy` (with the
+    same label smoothing and z-loss) on
     `features @ weight.T + bias`, plus the argmax hits (0 without `count_correct`: an extra
     pass over the logits). The logits are computed in the autocast
     dtype when autocast is on (as nn.Linear would), else in the features' dtype."""
     device = features.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
     with torch.autocast(device, enabled=False):
-        loss, nll, correct = _LinearCrossEntropy.apply(features, weight, bias, labels, label_smoothing, chunk_rows,
-                                                       dtype, count_correct)
+        loss, nll, correct = _LinearCrossEntropy.apply(features, weight, bias, labels, label_smoothing, z_loss,
+                                                       chunk_rows, dtype, count_correct)
     return loss, nll, (labels != IGNORE_INDEX).sum(), correct

@@ -40,7 +40,7 @@ class MaskedLM(ObjectiveBase):
         return self.model(input_ids, attention_mask, token_type_ids=token_type_ids)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss_sum, nll_sum, count, correct = self._masked_terms(batch, self.optim.label_smoothing)
+        loss_sum, nll_sum, count, correct = self._masked_terms(batch, self.optim.label_smoothing, self.optim.z_loss)
         n = self.token_normalizer(count)
         return self.finish_training_step(
             loss_sum / n, nll_sum / n, batch, flop_tokens=self._tokens(batch), head_positions=count,
@@ -61,8 +61,8 @@ class MaskedLM(ObjectiveBase):
         """(logits (N, V), targets (N,)) at the positions whose label is not IGNORE_INDEX."""
         return masked_logits(self.model, batch)
 
-    def _masked_terms(self, batch, label_smoothing: float):
-        return masked_terms(self.model, batch, label_smoothing)
+    def _masked_terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
+        return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
 
     @staticmethod
     def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -83,9 +83,11 @@ def masked_logits(model: LanguageModel, batch: dict[str, torch.Tensor]) -> tuple
     return logits, labels[predicted]
 
 
-def masked_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float):
-    """(loss sum, NLL sum, masked count, correct predictions) over the masked positions."""
+def masked_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *,
+                 z_loss: float = 0.0):
+    """(loss sum, NLL sum, masked count, correct predictions) over the masked positions; the
+    loss sum holds the label smoothing and the z-loss (metrics.token_cross_entropy)."""
     logits, targets = masked_logits(model, batch)  # (N, V), (N,)
-    loss_sum, nll_sum, count = token_cross_entropy(logits, targets, label_smoothing)
+    loss_sum, nll_sum, count = token_cross_entropy(logits, targets, label_smoothing, z_loss)
     correct = (logits.detach().argmax(-1) == targets).sum()
     return loss_sum, nll_sum, count, correct

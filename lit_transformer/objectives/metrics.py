@@ -16,12 +16,14 @@ from torchmetrics import Metric
 IGNORE_INDEX = -100  # the collators' "not predicted" label (PyTorch's cross_entropy default)
 
 
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+                        z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (N, V), labels (N,) with IGNORE_INDEX skipped -> (loss_sum, nll_sum, count).
 
     `loss_sum` is what training minimises: with smoothing eps, (1 - eps) * nll + eps * the
-    mean of -log p over the vocabulary (Szegedy et al. 2016, 7; F.cross_entropy's definition).
+    mean of -log p over the vocabulary (Szegedy et al. 2016, 7; F.cross_entropy's definition),
+    plus z_loss * log(Z)^2 per predicted token, Z the softmax normaliser (PaLM's auxiliary loss,
+    Chowdhery et al. 2022, section 5).
     `nll_sum` (detached) is the plain negative log-likelihood that perplexity is made of.
     Sums, not means, so that averages over many batches weigh every token once.
     """
@@ -30,12 +32,15 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smooth
     count = keep.sum()
     if label_smoothing == 0.0:
         nll_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return nll_sum, nll_sum.detach(), count
-    log_probs = logits.log_softmax(-1)  # (N, V), once for both terms
-    nll = -log_probs.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)  # (N,)
-    uniform = -log_probs.mean(-1)  # (N,)
-    nll_sum = (nll * keep).sum()
-    loss_sum = (1.0 - label_smoothing) * nll_sum + label_smoothing * (uniform * keep).sum()
+        loss_sum = nll_sum
+    else:
+        log_probs = logits.log_softmax(-1)  # (N, V), once for both terms
+        nll = -log_probs.gather(-1, labels.clamp(min=0)[:, None]).squeeze(-1)  # (N,)
+        uniform = -log_probs.mean(-1)  # (N,)
+        nll_sum = (nll * keep).sum()
+        loss_sum = (1.0 - label_smoothing) * nll_sum + label_smoothing * (uniform * keep).sum()
+    if z_loss:
+        loss_sum = loss_sum + z_loss * (logits.logsumexp(-1).square() * keep).sum()  # (N,) summed
     return loss_sum, nll_sum.detach(), count
 
 

@@ -88,7 +88,7 @@ class MultiTaskLM(ObjectiveBase):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         index = int(batch["task"])
         task = self.tasks[index]
-        loss_sum, nll_sum, count, correct = self._terms(task, batch, self.optim.label_smoothing)
+        loss_sum, nll_sum, count, correct = self._terms(task, batch, self.optim.label_smoothing, self.optim.z_loss)
         n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
@@ -113,19 +113,25 @@ class MultiTaskLM(ObjectiveBase):
 
     def eval_compute(self) -> dict[str, float]:
         """{"<task>/loss", "<task>/ppl", "<task>/bpb", "<task>/<accuracy>"} for every task that
-        saw evaluation batches (every rank computes every metric: they synchronise)."""
+        saw evaluation batches on any rank. Every rank computes every metric (each compute is a
+        collective: a rank that skipped a task its peer saw would hang both), and the tasks'
+        global batch counts decide what is reported."""
+        for metric in self.eval_metrics.values():  # the same update count everywhere: the same syncs
+            metric.update(torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+        counts = torch.stack([self.eval_metrics[_key(t, "loss")].count for t in self.tasks])  # (tasks,)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.clone()
+            torch.distributed.all_reduce(counts)
         out: dict[str, float] = {}
         for index, task in enumerate(self.tasks):
-            metric = self.eval_metrics[_key(task, "loss")]
-            seen = float(metric.count) > 0
-            loss = metric.compute() if seen else None
+            loss = float(self.eval_metrics[_key(task, "loss")].compute())
             accuracy = self._accuracy_name(task)
-            value = self.eval_metrics[_key(task, accuracy)].compute() if accuracy is not None and seen else None
-            if loss is None:
+            value = float(self.eval_metrics[_key(task, accuracy)].compute()) if accuracy is not None else None
+            if float(counts[index]) == 0:
                 continue
-            out.update({f"{task['name']}/{k}": v for k, v in self._lm_values(index, float(loss)).items()})
+            out.update({f"{task['name']}/{k}": v for k, v in self._lm_values(index, loss).items()})
             if value is not None:
-                out[f"{task['name']}/{accuracy}"] = float(value)
+                out[f"{task['name']}/{accuracy}"] = value
         return out
 
     def evaluation_streams(self, data: Any, task: str | None = None) -> list[tuple[str, Any]]:
@@ -144,15 +150,16 @@ class MultiTaskLM(ObjectiveBase):
         return [(prefix, loader) for prefix, loader, _ in streams]
 
     # ------------------------------------------------------------------ internals
-    def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float):
+    def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
         """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""
         objective = task["objective"]
         if objective == "mlm":
-            return masked_terms(self.model, batch, label_smoothing)
+            return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
         fused = self.fuse_head_and_loss()
         if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
-            return seq2seq_terms(self.model, batch, label_smoothing, fused=fused)
-        loss_sum, nll_sum, count = causal_terms(self.model, batch, label_smoothing, fused=fused)  # clm, prefix_lm
+            return seq2seq_terms(self.model, batch, label_smoothing, fused=fused, z_loss=z_loss)
+        loss_sum, nll_sum, count = causal_terms(self.model, batch, label_smoothing, fused=fused,
+                                                z_loss=z_loss)  # clm, prefix_lm
         return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
 
     def _accuracy_name(self, task: dict[str, str]) -> str | None:

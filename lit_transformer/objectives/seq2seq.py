@@ -102,7 +102,7 @@ class Seq2SeqLM(ObjectiveBase):
                           decoder_attention_mask=decoder_attention_mask)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss_sum, nll_sum, count, correct = self._terms(batch, self.optim.label_smoothing)
+        loss_sum, nll_sum, count, correct = self._terms(batch, self.optim.label_smoothing, self.optim.z_loss)
         n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         source_tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
@@ -171,13 +171,15 @@ class Seq2SeqLM(ObjectiveBase):
                       for row in batch["labels"].tolist()]
         return hypotheses, references
 
-    def _terms(self, batch, label_smoothing: float):
-        return seq2seq_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss())
+    def _terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
+        return seq2seq_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
-def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool):
+def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool,
+                  z_loss: float = 0.0):
     """(loss sum, NLL sum, target count, correct predictions) of teacher-forced decoding; the
-    head and the loss run fused when `fused` (training with a plain head weight)."""
+    head and the loss run fused when `fused` (training with a plain head weight). The loss sum
+    holds the label smoothing and the z-loss (metrics.token_cross_entropy)."""
     labels = batch["labels"]  # (B, T)
     if fused:
         features = model.head_features(
@@ -185,12 +187,12 @@ def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_sm
             decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, C)
         decoder = model.lm_head.decoder
         return linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1),
-                                    label_smoothing)
+                                    label_smoothing, z_loss=z_loss)
     logits = model(batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
                    decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, V)
     V = logits.shape[-1]
     flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
-    loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing)
+    loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing, z_loss)
     correct = ((flat_logits.detach().argmax(-1) == flat_labels) & (flat_labels != IGNORE_INDEX)).sum()
     return loss_sum, nll_sum, count, correct
 
