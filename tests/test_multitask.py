@@ -203,3 +203,29 @@ def test_bad_mixtures_are_one_line_errors(tmp_path):
         load_recipe(recipe("objective: {name: clm}"))
     with pytest.raises(RecipeError, match=r"unknown key data\.block_sise"):
         load_recipe(recipe("tasks: [{name: a, objective: clm, data: {block_sise: 3}}]"))
+
+
+def test_t5_style_mixture_of_span_corruption_and_a_supervised_task(tmp_path, capsys):
+    """Raffel et al. 2020, 3.5: unsupervised span corruption on the corpus beside a supervised
+    seq2seq task on its own data (the embedded docstring -> name pairs), examples-proportional."""
+    recipe = tmp_path / "t5-mixture.yaml"
+    recipe.write_text(f"extends: {RECIPES / 'tiny-span.yaml'}\nobjective: {{name: mixture}}\n"
+                      "mixture: {rates: proportional, cap: 500}\n"
+                      "tasks:\n  - {name: span, objective: span}\n"
+                      "  - {name: summary, objective: seq2seq, data: {max_length: 48, max_target_length: 16}}\n")
+    run = tmp_path / "run"
+    record = Record()
+    train(load_recipe(recipe, [*COMMON, f"run.dir={run}"]), callbacks=[record], progress_bar=False)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["val/span/loss"] > 0 and metrics["val/summary/token_accuracy"] >= 0
+    assert main(["evaluate", str(run), "--json", "--task", "summary", "--max-batches", "1"]) == 0
+    assert "accuracy" in json.loads(capsys.readouterr().out)
+
+
+def test_prepare_fills_every_tasks_cache(tmp_path, capsys):
+    run = tmp_path / "prepared"
+    assert main(["prepare", str(RECIPES / "tiny-ul2.yaml"), *COMMON, "data.block_size=64", f"run.dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert (run / "tokenizer.json").is_file() and (run / "config.yaml").is_file()
+    for task in ("r_3_15", "x_64_50", "s_prefix"):
+        assert any(line.startswith(task) and "train" in line for line in out.splitlines()), out
