@@ -25,6 +25,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
     "ul2-base": (220, 225),  # Tay et al. 2022 trained T5 sizes; T5-base: 220M
     "unilm-base": (120, 126),  # Dong et al. 2019 used BERT-base's shape: 110M (+ GPT-2's 50k vocabulary)
+    "speedrun-clm": (1, 6),  # ours: sized for 5 minutes on 2 CPU cores
     "tatoeba-translation": (5, 6.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
     "wmt-news-translation": (5, 6.5),
 }

@@ -219,6 +219,25 @@ def test_a_time_budget_ends_the_run_as_a_finished_one(tmp_path):
     assert lr[-1] < 0.2 * peak  # near the floor (min_lr_ratio 0.1) at the end of the budget
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("private_cache")
+def test_the_speedrun_recipe_trains_for_its_budget_and_finishes(tmp_path):
+    """recipes/speedrun-clm.yaml as it stands (Muon, QK-norm, ReLU^2, untied head, schedule to
+    the budget), on a small slice of the embedded corpus with a 4-second budget."""
+    run = tmp_path / "speedrun"
+    cfg = load_recipe(RECIPES / "speedrun-clm.yaml", [
+        "tokenizer.vocab_size=400", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
+        "data.max_val_bytes=20000", "data.batch_size=4", "trainer.max_time=4", "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "logger.wandb.mode=disabled", f"run.dir={run}"])
+    assert (cfg.optim.optimizer, cfg.model.qk_norm, cfg.model.activation, cfg.model.tie_embeddings) == (
+        "muon", True, "relu2", False)
+    metrics = train(cfg, progress_bar=False)
+    assert math.isfinite(metrics["val/bpb"]) and (run / "model.safetensors").is_file()
+    steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert steps and steps[-1] < cfg.trainer.max_steps  # the budget, not the steps, ended it
+
+
 # ----------------------------------------------------------------------------- Muon
 
 

@@ -1,0 +1,123 @@
+"""What a training step costs beyond its arithmetic: a recipe's model trained by the full
+`lit-transformer pretrain` path (Lightning, callbacks, logging, data loading, the progress
+bar) against a bare PyTorch loop over the same model, batch shape, loss and optimizer, and both
+against the machine's measured matrix-product peak (MFU).
+
+    python benchmarks/step_overhead.py [--recipe recipes/tiny-clm.yaml] [--steps 60] [--override K=V ...]
+
+Bare loop: the objective's own loss function on random token rows of data.block_size,
+data.batch_size rows, backward, gradient clipping, the recipe's optimizer (AdamW or Muon +
+AdamW) and schedule step; timed after 5 warm-up steps. Full path: `pretrain` with
+trainer.max_steps=--steps, validation and checkpoints pushed past the end, generation and W&B
+off, the progress bar on (as a user runs it); its train/tokens_per_s from the CSV log (the
+window after the first logging step, so start-up is not in it). MFU: model FLOPs per token
+(model/accounting.py) times tokens/s over the peak of a 2048^3 matrix product in the run's
+precision on this machine with the recipe's threads. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lit_transformer.config import load_recipe, model_config  # noqa: E402
+from lit_transformer.model.accounting import train_flops  # noqa: E402
+from lit_transformer.objectives import CausalLM  # noqa: E402
+from lit_transformer.objectives.causal_lm import causal_terms  # noqa: E402
+from lit_transformer.objectives.optim import build_optimizer, make_scheduler, parameter_groups  # noqa: E402
+from lit_transformer.rundir import read_metrics  # noqa: E402
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size ** 3 / (time.perf_counter() - start))
+    return best
+
+
+def bare_loop(cfg, steps: int) -> float:
+    """Tokens per second of fwd + loss + bwd + clip + optimizer + schedule, nothing else."""
+    model_cfg = model_config(cfg)
+    module = CausalLM(model_cfg, optim=cfg.optim, max_steps=cfg.trainer.max_steps)
+    groups = parameter_groups(module, cfg.optim.weight_decay, muon=cfg.optim.optimizer == "muon")
+    optimizer = build_optimizer(groups, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.trainer.max_steps, model_cfg.d_model)
+    B, T = cfg.data.batch_size, cfg.data.block_size
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(5, model_cfg.vocab_size, (B, T + 1), generator=g)
+    batch = {"input_ids": rows[:, :-1], "attention_mask": torch.ones(B, T, dtype=torch.long), "labels": rows[:, 1:]}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
+
+    def step():
+        with autocast:
+            loss_sum, _, count = causal_terms(module.model, batch, 0.0, fused=True)
+            loss = loss_sum / count
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.trainer.gradient_clip_val or 1e9)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+
+    for _ in range(5):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return B * T * steps / (time.perf_counter() - start)
+
+
+def full_path(recipe: str, overrides: list[str], steps: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        args = [sys.executable, "-m", "lit_transformer.cli", "pretrain", recipe, *overrides,
+                f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps * 10}",
+                f"trainer.checkpoint_every_n_steps={steps * 10}", "trainer.log_every_n_steps=10",
+                "trainer.max_time=null", "generation.enabled=false", "logger.wandb.mode=disabled",
+                f"run.dir={run}"]
+        subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        speeds = [r["train/tokens_per_s"] for r in read_metrics(run) if "train/tokens_per_s" in r]
+    return sum(speeds[1:]) / max(len(speeds) - 1, 1)  # after the first window (start-up)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny-clm.yaml"))
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    cfg = load_recipe(args.recipe, args.override)
+    torch.set_num_threads(cfg.trainer.num_threads or torch.get_num_threads())
+    model_cfg = model_config(cfg)
+    flops_per_token = train_flops(model_cfg, cfg.data.block_size).total / cfg.data.block_size
+    dtype = torch.bfloat16 if cfg.trainer.precision.startswith("bf16") else torch.float32
+    peak = matmul_peak(dtype)
+    bare = bare_loop(cfg, args.steps)
+    full = full_path(args.recipe, args.override, args.steps)
+    out = {"recipe": Path(args.recipe).stem, "threads": torch.get_num_threads(), "precision": cfg.trainer.precision,
+           "flops_per_token": flops_per_token, "matmul_peak_gflops": peak / 1e9,
+           "bare_tokens_per_s": bare, "full_tokens_per_s": full, "bare_mfu": bare * flops_per_token / peak,
+           "full_mfu": full * flops_per_token / peak, "overhead": 1 - full / bare}
+    if args.json:
+        print(json.dumps(out))
+        return
+    for key, value in out.items():
+        print(f"{key:<20} {value:,.4g}" if isinstance(value, float) else f"{key:<20} {value}")
+
+
+if __name__ == "__main__":
+    main()
