@@ -222,7 +222,7 @@ def test_a_time_budget_ends_the_run_as_a_finished_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("private_cache")
 def test_the_speedrun_recipe_trains_for_its_budget_and_finishes(tmp_path):
-    """recipes/speedrun-clm.yaml as it stands (Muon, QK-norm, ReLU^2, untied head, schedule to
+    """recipes/speedrun-clm.yaml as it stands (Muon, QK-norm, ReLU^2, tied head, schedule to
     the budget), on a small slice of the embedded corpus with a 4-second budget."""
     run = tmp_path / "speedrun"
     cfg = load_recipe(RECIPES / "speedrun-clm.yaml", [
@@ -231,7 +231,7 @@ def test_the_speedrun_recipe_trains_for_its_budget_and_finishes(tmp_path):
         "trainer.log_every_n_steps=1",
         "logger.wandb.mode=disabled", f"run.dir={run}"])
     assert (cfg.optim.optimizer, cfg.model.qk_norm, cfg.model.activation, cfg.model.tie_embeddings) == (
-        "muon", True, "relu2", False)
+        "muon", True, "relu2", True)
     metrics = train(cfg, progress_bar=False)
     assert math.isfinite(metrics["val/bpb"]) and (run / "model.safetensors").is_file()
     steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
