@@ -81,8 +81,17 @@ def write_records(path: Path, header: bytes, records: list[bytes]) -> None:
 
 
 def segments(wandb_dir: Path, run_id: str) -> list[Path]:
-    """The offline folders of `run_id`, oldest first (their names start with the start time)."""
-    return sorted(p for p in wandb_dir.glob(f"offline-run-*-{run_id}") if (p / f"run-{run_id}.wandb").is_file())
+    """The offline folders of `run_id`, oldest first: their names start with the start time, and
+    wandb adds "-1", "-2", ... to a folder started in the same second as an earlier one."""
+    import re
+
+    name = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for path in wandb_dir.glob(f"offline-run-*-{run_id}*"):
+        match = name.fullmatch(path.name)
+        if match and (path / f"run-{run_id}.wandb").is_file():
+            found.append((match[1], int(match[2] or 0), path))
+    return [path for _, _, path in sorted(found)]
 
 
 def fold_segments(wandb_dir: Path, run_id: str, wait_s: float = 30.0) -> Path | None:

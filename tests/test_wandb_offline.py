@@ -31,8 +31,8 @@ def record(kind: str, step: int | None = None, value: float | None = None, size:
     return r.SerializeToString()
 
 
-def segment(root: Path, stamp: str, records: list[bytes]) -> Path:
-    folder = root / f"offline-run-{stamp}-abc"
+def segment(root: Path, stamp: str, records: list[bytes], suffix: str = "") -> Path:
+    folder = root / f"offline-run-{stamp}-abc{suffix}"
     (folder / "files").mkdir(parents=True)
     (folder / "files" / "wandb-summary.json").write_text(stamp)
     write_records(folder / "run-abc.wandb", HEADER, records)
@@ -79,6 +79,26 @@ def test_segments_fold_into_the_first_as_one_continuous_run(tmp_path):
     assert kinds == ["header", "run", "history", "history", "history", "history", "exit"]
     assert steps == [(0, 0), (1, 1), (2, 2), (3, 3)] and losses == [3.0, 2.5, 2.0, 1.5]
     assert (first / "files" / "wandb-summary.json").read_text() == "20260101_000200"  # the newest
+
+
+def test_a_segment_started_in_the_same_second_is_folded_too(tmp_path):
+    """wandb names a second folder started within the same second `...-abc-1`: a resume that
+    quick (a fast machine, a short run) still ends as one folder, in start order."""
+    first = segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 3.0),
+                                                  record("exit")])
+    segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 2.0),
+                                          record("exit")], suffix="-1")
+    segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 1.0),
+                                          record("exit")], suffix="-2")
+    assert fold_segments(tmp_path, "abc", wait_s=0) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    losses = []
+    for data in read_records(first / "run-abc.wandb")[1]:
+        r = pb.Record()
+        r.ParseFromString(data)
+        if r.WhichOneof("record_type") == "history":
+            losses.append({i.nested_key[0]: json.loads(i.value_json) for i in r.history.item}["loss"])
+    assert losses == [3.0, 2.0, 1.0]
 
 
 def test_a_segment_still_being_written_is_left_for_later(tmp_path):
