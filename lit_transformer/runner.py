@@ -228,7 +228,7 @@ def prepare(cfg: RunConfig) -> dict[str, Any]:
         print(f"tokenizer  {dm.vocab_size:,} tokens -> {run_dir / 'tokenizer.json'}")
         for task, splits in summary["tasks"].items():
             for split in splits.values():
-                print(f"{task:<12} " + format_summary(dict(split, kind="lm")))
+                print(f"{task:<12} " + format_summary(split))
     else:
         summary = prepare_data(cfg.data, cfg.tokenizer, registry.spec(cfg.objective.name).data, run_dir,
                                seed=cfg.trainer.seed, model_vocab_size=vocab)

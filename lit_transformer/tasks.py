@@ -122,6 +122,7 @@ def trains_bidirectional_mode(cfg: RunConfig) -> bool:
 def mixture_data_module(cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
     """The MixtureDataModule of a recipe's tasks (not yet prepared): each task's data settings and
     pipeline, one tokenizer trained on the recipe's own data section, the mixing rates."""
+    # here, not at the top: reading a recipe (this module's other work) must not import Lightning
     from .data.mixture import MixtureDataModule, MixtureTask
 
     arch = cfg.model.arch

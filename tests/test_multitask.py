@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lit_transformer.cli import main
 from lit_transformer.config import RecipeError, load_recipe
 from lit_transformer.runner import train
+from conftest import StopAt
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +40,6 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         task = int(batch["task"]) if "task" in batch else None
         self.steps.append((trainer.global_step, float(outputs["loss"]), task))
-
-
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from lit_transformer.objectives.optim import (
 from lit_transformer.rundir import read_metrics
 from lit_transformer.runner import train
 from lit_transformer.schema import OptimConfig
-from conftest import tiny_config
+from conftest import StopAt, losses, tiny_config
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # test_training.py's smallest settings that still train; no W&B, no sample generations
@@ -40,21 +40,6 @@ TINY = [
 
 def clm_config(run_dir: Path, *extra: str):
     return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
-
-
-class StopAt(Callback):
-    """Interrupt training after `step` optimizer steps, as a killed job would be."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 # ----------------------------------------------------------------------------- schedules

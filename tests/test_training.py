@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from lit_transformer.config import load_recipe
 from lit_transformer.rundir import read_metrics
 from lit_transformer.runner import train
+from conftest import StopAt, losses
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -35,23 +36,8 @@ TINY = [
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
 
-class StopAt(Callback):
-    """Interrupt training after `step` optimizer steps, as a killed job would be."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
-
-
 def clm_config(run_dir: Path, *extra: str):
     return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
 def test_resume_continues_exactly(tmp_path):

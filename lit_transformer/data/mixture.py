@@ -28,16 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_transformer.data.cache import cache_root
 from lit_transformer.data.collate import example_generators
 from lit_transformer.data.config import DataConfig, TokenizerConfig
-from lit_transformer.data.corpus import build_sources
+from lit_transformer.data.corpus import build_sources, objective_kind
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.module import TextDataModule
+from lit_transformer.data.module import EpochLoader, RankedDataModule, TextDataModule
 from lit_transformer.data.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.prepare import Prepared, resolve_tokenizer, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler
@@ -195,26 +194,7 @@ class _MixtureBatches(torch.utils.data.Dataset):
         return self.collators[t]([self.examples[t][i] for i in indices], gens)
 
 
-class _MixtureLoader(DataLoader):
-    """The training DataLoader: resumes its sampler from the data module's counts each time
-    iteration starts; its state is the module's (as module._EpochLoader)."""
-
-    def __init__(self, *args, owner: "MixtureDataModule", **kwargs):
-        super().__init__(*args, **kwargs)
-        self._owner = owner
-
-    def __iter__(self):
-        self._owner._begin_train()
-        return super().__iter__()
-
-    def state_dict(self) -> dict:
-        return self._owner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._owner.load_state_dict(state)
-
-
-class MixtureDataModule(L.LightningDataModule):
+class MixtureDataModule(RankedDataModule):
     """Every task's data on one shared tokenizer; train batches from the mixture, one validation
     (and test) loader per task that has the split.
 
@@ -298,7 +278,7 @@ class MixtureDataModule(L.LightningDataModule):
         self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
         dataset = _MixtureBatches([self._train_examples(t) for t in range(len(modules))],
                                   [dm.collator for dm in modules], self.seed)
-        return _MixtureLoader(dataset, sampler=self._sampler, owner=self, batch_size=None,
+        return EpochLoader(dataset, sampler=self._sampler, owner=self, batch_size=None,
                               num_workers=self.tokenizer_data.num_workers, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> list:
@@ -319,8 +299,11 @@ class MixtureDataModule(L.LightningDataModule):
         return self._ready()[(writes or tasks)[0]].val_dataloader()
 
     def summaries(self) -> dict[str, dict]:
-        """{task: {split: what preparing it did}} (prepare.format_summary prints each)."""
-        return {task.name: dict(dm._prepared.summaries) for task, dm in zip(self.tasks, self._ready())}
+        """{task: {split: what preparing it did}} (prepare.format_summary prints each; `kind` says
+        whether its units are packed blocks or examples)."""
+        return {task.name: {split: dict(summary, kind="lm" if objective_kind(task.pipeline) == "lm" else "examples")
+                            for split, summary in dm._prepared.summaries.items()}
+                for task, dm in zip(self.tasks, self._ready())}
 
     def state_dict(self) -> dict:
         return {"micro_batches": self._micro, "task_batches": list(self._task_batches), "seed": self.seed}
@@ -400,22 +383,6 @@ class MixtureDataModule(L.LightningDataModule):
     def num_labels(self) -> None:
         return None
 
-    @property
-    def rank(self) -> int:
-        if self._rank is not None:
-            return self._rank
-        if self.trainer is not None:
-            return self.trainer.global_rank
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-    @property
-    def world_size(self) -> int:
-        if self._world is not None:
-            return self._world
-        if self.trainer is not None:
-            return self.trainer.world_size
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
     # ------------------------------------------------------------------ internals
 
     def _resolve_tokenizer(self, *, build: bool) -> None:
@@ -466,6 +433,6 @@ class MixtureDataModule(L.LightningDataModule):
     def _tasks_with(self, split: str) -> list[int]:
         return [t for t in range(len(self.tasks)) if split in self._ready_module(t)._prepared.sources]
 
-    def _begin_train(self) -> None:
+    def _begin_train_epoch(self) -> None:
         if self._sampler is not None:
             self._sampler.resume(self._micro, self._task_batches)

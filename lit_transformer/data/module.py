@@ -44,13 +44,14 @@ class _CollatedBatches(torch.utils.data.Dataset):
         return self.collator([self.examples[i] for i in indices], example_generators(self.seed, epoch, indices))
 
 
-class _EpochLoader(DataLoader):
-    """A DataLoader that asks its data module for the epoch each time iteration starts.
+class EpochLoader(DataLoader):
+    """A DataLoader that asks its data module where to start (`_begin_train_epoch`) each time
+    iteration starts (TextDataModule: the epoch and the batches already used in it).
 
     Its state is the data module's position, so Lightning also sees it as resumable (and does
     not warn that a mid-epoch resume is unreliable)."""
 
-    def __init__(self, *args, owner: "TextDataModule", **kwargs):
+    def __init__(self, *args, owner: "RankedDataModule", **kwargs):
         super().__init__(*args, **kwargs)
         self._owner = owner
 
@@ -65,7 +66,31 @@ class _EpochLoader(DataLoader):
         self._owner.load_state_dict(state)
 
 
-class TextDataModule(L.LightningDataModule):
+class RankedDataModule(L.LightningDataModule):
+    """A data module's rank and world size: as given (`_rank`, `_world`), else the trainer's,
+    else torch.distributed's when it is initialised, else a single process."""
+
+    _rank: Optional[int] = None
+    _world: Optional[int] = None
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        if self.trainer is not None:
+            return self.trainer.global_rank
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world is not None:
+            return self._world
+        if self.trainer is not None:
+            return self.trainer.world_size
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+class TextDataModule(RankedDataModule):
     def __init__(self, data: DataConfig, tokenizer: TokenizerConfig, objective: str, *, seed: int = 0,
                  run_dir: Optional[str] = None, model_vocab_size: Optional[int] = None,
                  rank: Optional[int] = None, world_size: Optional[int] = None):
@@ -167,22 +192,6 @@ class TextDataModule(L.LightningDataModule):
                 prepared.sources["validation"], prepared.tokenizer, prepared.special.separator_id)
         return self._stream_bytes_per_token
 
-    @property
-    def rank(self) -> int:
-        if self._rank is not None:
-            return self._rank
-        if self.trainer is not None:
-            return self.trainer.global_rank
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-    @property
-    def world_size(self) -> int:
-        if self._world is not None:
-            return self._world
-        if self.trainer is not None:
-            return self.trainer.world_size
-        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
     # ------------------------------------------------------------------ internals
 
     def _ready(self) -> Prepared:
@@ -235,7 +244,7 @@ class TextDataModule(L.LightningDataModule):
             if not train:
                 return DataLoader(stream, **kwargs)
             self._train_stream = stream
-            return _EpochLoader(stream, owner=self, **kwargs)
+            return EpochLoader(stream, owner=self, **kwargs)
         examples = self._datasets[split]
         sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
                                         drop_last=train, rank=self.rank, world_size=self.world_size)
@@ -243,4 +252,4 @@ class TextDataModule(L.LightningDataModule):
         if not train:
             return DataLoader(dataset, sampler=sampler, **kwargs)
         self._train_sampler = sampler
-        return _EpochLoader(dataset, sampler=sampler, owner=self, **kwargs)
+        return EpochLoader(dataset, sampler=sampler, owner=self, **kwargs)

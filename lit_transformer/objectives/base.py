@@ -36,6 +36,7 @@ Shape legend: B batch, T length.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, TypedDict, Unpack
@@ -44,7 +45,9 @@ import lightning as L
 import torch
 from torch import nn
 
+from .. import registry
 from ..checkpointing import MODEL_CONFIG_KEY, OBJECTIVE_KEY
+from ..data.module import TextDataModule
 from ..distributed import prepare_blocks, total_norm
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
@@ -163,11 +166,6 @@ class ObjectiveBase(L.LightningModule):
     def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
         """The (not yet prepared) data module a recipe's objective reads: its data kind's
         TextDataModule; a mixture's reads one per task."""
-        import dataclasses
-
-        from .. import registry
-        from ..data.module import TextDataModule
-
         return TextDataModule(dataclasses.replace(cfg.data, num_workers=workers), cfg.tokenizer,
                               registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed, run_dir=run_dir,
                               model_vocab_size=model_vocab_size)
@@ -229,12 +227,15 @@ class ObjectiveBase(L.LightningModule):
     def finish_training_step(self, loss: torch.Tensor, nll_mean: torch.Tensor | None,
                              batch: dict[str, torch.Tensor], *, flop_tokens: torch.Tensor | float,
                              head_positions: torch.Tensor | float,
-                             metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+                             metrics: dict[str, torch.Tensor] | None = None, task: str | None = None,
+                             task_bytes_per_token: float | None = None) -> torch.Tensor | None:
         """The shared end of training_step: guard, log, count throughput; returns the loss or None.
 
         nll_mean: the plain per-token NLL behind train/ppl (None where perplexity means nothing).
         flop_tokens: non-pad input tokens that the body of the model ran on; head_positions:
         positions the LM head ran on (MFU counts only the FLOPs actually spent).
+        task: the mixture task this batch belongs to: the loss, ppl and bpb (with
+        task_bytes_per_token) are also logged as train/<task>/..., and `metrics` only there.
         """
         attached = self._trainer is not None  # a plain loop (tests, notebooks) may call this too
         if self.skip_nonfinite and not torch.isfinite(loss):  # one host sync per step
@@ -260,8 +261,15 @@ class ObjectiveBase(L.LightningModule):
             self.log("train/ppl", logged[1].exp())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/skipped_steps", float(self.skipped_steps))
+        prefix = "train/" if task is None else f"train/{task}/"
+        if task is not None:
+            self.log(f"{prefix}loss", logged[0])
+            if nll_mean is not None:
+                self.log(f"{prefix}ppl", logged[1].exp())
+                if task_bytes_per_token is not None:
+                    self.log(f"{prefix}bpb", bits_per_byte(float(logged[1]), task_bytes_per_token))
         for name, value in zip(metrics, logged[len(logged) - len(metrics):]):
-            self.log(f"train/{name}", value)
+            self.log(f"{prefix}{name}", value)
         self._count_work(batch, flop_tokens, head_positions)
         return loss
 
@@ -327,12 +335,14 @@ class ObjectiveBase(L.LightningModule):
         for metric in self.eval_metrics.values():
             metric.reset()
 
-    def lm_eval_metrics(self, loss: torch.Tensor) -> dict[str, float]:
-        """loss, ppl and (with bytes_per_token) bpb from a mean NLL in nats per token."""
+    def lm_eval_metrics(self, loss: torch.Tensor | float, bytes_per_token: float | None = None) -> dict[str, float]:
+        """loss, ppl and (with bytes per token: the argument, else the objective's) bpb from a
+        mean NLL in nats per token."""
         value = float(loss)
         out = {"loss": value, "ppl": math.exp(min(value, 700.0))}  # exp overflows a double past ~709
-        if self.bytes_per_token is not None:
-            out["bpb"] = bits_per_byte(value, self.bytes_per_token)
+        bytes_per_token = bytes_per_token if bytes_per_token is not None else self.bytes_per_token
+        if bytes_per_token is not None:
+            out["bpb"] = bits_per_byte(value, bytes_per_token)
         return out
 
     def _log_eval(self, prefix: str) -> None:

@@ -19,19 +19,20 @@ Shape legend: B batch, T length.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Unpack
 
 import torch
 
+from ..data.errors import closest
 from ..model.config import TransformerConfig
 from ..model.language_model import LanguageModel
 from ..registry import MIXTURE, implements
 from ..schema import OptimConfig, RunConfig
+from ..tasks import mixture_data_module
 from .base import ObjectiveBase, ObjectiveOptions, as_language_model, non_pad_tokens
 from .causal_lm import causal_terms
 from .masked_lm import masked_terms
-from .metrics import TokenAverage, bits_per_byte
+from .metrics import TokenAverage
 from .seq2seq import seq2seq_terms
 
 # the accuracy each task objective reports, named as its single objective names it
@@ -76,8 +77,6 @@ class MultiTaskLM(ObjectiveBase):
 
     @classmethod
     def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
-        from ..tasks import mixture_data_module
-
         return mixture_data_module(cfg, run_dir, model_vocab_size, workers)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -92,9 +91,12 @@ class MultiTaskLM(ObjectiveBase):
         n = self.token_normalizer(count)
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
-        loss = self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count)
+        metrics = {"accuracy": correct / n} if self._accuracy_name(task) is not None else {}
+        loss = self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count,
+                                         metrics=metrics, task=task["name"],
+                                         task_bytes_per_token=self.task_bytes_per_token[index])
         if self._trainer is not None:
-            self._log_task(index, loss_sum / n, nll_sum / n, correct / n, batch)
+            self._log_shares(index, batch)
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -129,7 +131,7 @@ class MultiTaskLM(ObjectiveBase):
             value = float(self.eval_metrics[_key(task, accuracy)].compute()) if accuracy is not None else None
             if float(counts[index]) == 0:
                 continue
-            out.update({f"{task['name']}/{k}": v for k, v in self._lm_values(index, loss).items()})
+            out.update({f"{task['name']}/{k}": v for k, v in self.lm_eval_metrics(loss, self.task_bytes_per_token[index]).items()})
             if value is not None:
                 out[f"{task['name']}/{accuracy}"] = value
         return out
@@ -139,15 +141,10 @@ class MultiTaskLM(ObjectiveBase):
         or, for one task, no prefix (the single objective's keys)."""
         names = [t["name"] for t in self.tasks]
         if task is not None and task not in names:
-            from ..data.errors import closest
-
             raise KeyError(f"--task {task}: the mixture's tasks are {names}{closest(task, names)}")
-        streams = []
-        for index, loader in zip(data.val_tasks, data.val_dataloader()):
-            name = names[index]
-            if task is None or name == task:
-                streams.append(("" if task is not None else f"{name}/", loader, name))
-        return [(prefix, loader) for prefix, loader, _ in streams]
+        return [("" if task is not None else f"{names[index]}/", loader)
+                for index, loader in zip(data.val_tasks, data.val_dataloader())
+                if task is None or names[index] == task]
 
     # ------------------------------------------------------------------ internals
     def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
@@ -167,32 +164,18 @@ class MultiTaskLM(ObjectiveBase):
             return _ACCURACY["mlm"]
         return _ACCURACY["seq2seq"] if self.encoder_decoder else None
 
-    def _lm_values(self, index: int, loss: float) -> dict[str, float]:
-        out = {"loss": loss, "ppl": math.exp(min(loss, 700.0))}
-        if self.task_bytes_per_token[index] is not None:
-            out["bpb"] = bits_per_byte(loss, self.task_bytes_per_token[index])
-        return out
-
-    def _log_task(self, index: int, loss: torch.Tensor, nll: torch.Tensor, accuracy: torch.Tensor,
-                  batch: dict[str, Any]) -> None:
-        task = self.tasks[index]
+    def _log_shares(self, index: int, batch: dict[str, Any]) -> None:
+        """Every task's share of the micro-batches and input tokens so far (this rank's token
+        count times the ranks: packed rows have the same count on every rank)."""
         tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
         if "decoder_input_ids" in batch:
             tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
-        loss, nll, accuracy, tokens = self._ranks_mean([loss, nll, accuracy, tokens])
-        name = task["name"]
-        self.log(f"train/{name}/loss", loss)
-        self.log(f"train/{name}/ppl", nll.exp())
-        if self.task_bytes_per_token[index] is not None:
-            self.log(f"train/{name}/bpb", bits_per_byte(float(nll), self.task_bytes_per_token[index]))
-        if self._accuracy_name(task) is not None:
-            self.log(f"train/{name}/accuracy", accuracy)
         self.task_batches[index] += 1
         self.task_tokens[index] += float(tokens) * self.trainer.world_size
         batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
-        for other, count, used in zip(self.tasks, self.task_batches, self.task_tokens):
-            self.log(f"train/{other['name']}/step_share", count / batches)
-            self.log(f"train/{other['name']}/token_share", used / all_tokens)
+        for task, count, used in zip(self.tasks, self.task_batches, self.task_tokens):
+            self.log(f"train/{task['name']}/step_share", count / batches)
+            self.log(f"train/{task['name']}/token_share", used / all_tokens)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
