@@ -184,6 +184,9 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     if cfg.data.streaming and not cfg.tasks and spec.data not in LM_OBJECTIVES:  # at load: a refused run writes nothing
         raise RecipeError(f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
                           f"not {cfg.objective.name!r}")
+    if cfg.data.batch_tokens is not None and not cfg.tasks and spec.data in LM_OBJECTIVES:
+        raise RecipeError(f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "
+                          f"{cfg.objective.name!r} trains on packed blocks of data.block_size tokens: set data.batch_size")
     if cfg.data.document_mask and model.attention_kind == "linear":
         raise RecipeError(f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
                           "(linear attention's running sums cross document boundaries)")

@@ -107,6 +107,9 @@ def check_mixture(cfg: RunConfig, arch: str, source: str) -> None:
         if data.streaming:
             raise RecipeError(f"{source}: tasks.{task.name}: data.streaming=true is not offered in a mixture "
                               "(the mixture draws batches from each task's token cache)")
+        if data.batch_tokens is not None:
+            raise RecipeError(f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "
+                              "(each task's batches hold data.batch_size examples)")
         for key in _OBJECTIVE_PARAMETERS:
             if key not in spec.parameters and getattr(task, key) is not None:
                 takes = [name for name, other in TASK_OBJECTIVES.items() if key in other.parameters]

@@ -67,6 +67,9 @@ class DataConfig:
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
     mean_span_length: float = 3.0
     batch_size: int = 32
+    # seq2seq / classify: batches of similar length holding at most this many tokens (examples x
+    # the longest source or target) instead of batch_size examples (fairseq's --max-tokens)
+    batch_tokens: Optional[int] = None
     eval_batch_size: Optional[int] = None  # None: batch_size
     shuffle: bool = True
     num_workers: int = 0
@@ -83,7 +86,7 @@ class DataConfig:
         for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes",
                      "shuffle_buffer"):
             _check_positive(f"data.{name}", getattr(self, name))
-        for name in ("max_documents", "max_train_bytes", "max_val_bytes", "eval_batch_size", "num_proc"):
+        for name in ("max_documents", "max_train_bytes", "max_val_bytes", "eval_batch_size", "num_proc", "batch_tokens"):
             if getattr(self, name) is not None:
                 _check_positive(f"data.{name}", getattr(self, name))
         if self.num_workers < 0:

@@ -25,7 +25,7 @@ from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMColl
 from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.pack import LMBlocks, RaggedExamples
 from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
-from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
 from lit_transformer.data.span import SpanCorruptionCollator
 from lit_transformer.data.streaming import StreamingBlocks, estimate_bytes_per_token
 
@@ -246,8 +246,12 @@ class TextDataModule(RankedDataModule):
             self._train_stream = stream
             return EpochLoader(stream, owner=self, **kwargs)
         examples = self._datasets[split]
-        sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
-                                        drop_last=train, rank=self.rank, world_size=self.world_size)
+        if train and cfg.batch_tokens is not None and isinstance(examples, RaggedExamples):
+            sampler = TokenBatchSampler(examples.lengths(), cfg.batch_tokens, seed=self.seed, shuffle=cfg.shuffle,
+                                        rank=self.rank, world_size=self.world_size)
+        else:
+            sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
+                                            drop_last=train, rank=self.rank, world_size=self.world_size)
         dataset = _CollatedBatches(examples, self.collator, self.seed)
         if not train:
             return DataLoader(dataset, sampler=sampler, **kwargs)

@@ -454,6 +454,12 @@ class RaggedExamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.n
 
+    def lengths(self) -> np.ndarray:
+        """Tokens in each example (seq2seq: the longer of source and target), for token batching."""
+        if self.kind == "seq2seq":
+            return np.maximum(np.diff(self.entry["source_offsets"]), np.diff(self.entry["target_offsets"]))
+        return np.diff(self.entry["ids_offsets"])
+
     def _row(self, name: str, i: int) -> np.ndarray:
         off = self.entry[f"{name}_offsets"]
         return np.asarray(self.entry[name][off[i]:off[i + 1]], dtype=np.int64)
