@@ -123,6 +123,8 @@ def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
         states //= processes_per_node(cfg) * t.num_nodes
     _, tokens = longest_input(cfg)
     batch = cfg.data.batch_size
+    if cfg.data.batch_tokens is not None:  # pairs x the longest side <= batch_tokens (one over-long pair alone)
+        batch = max(cfg.data.batch_tokens // tokens, 1)
     width = 2 if t.precision == "32-true" else 1  # bytes per element over the 16-bit formula's 2
     full_layer = (15 * model.d_model + 19 * model.d_ff / 4) * width  # per token
     layers = model.n_layers
@@ -153,10 +155,12 @@ def available_memory() -> int | None:
 def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
     """One line when one node's ranks cannot fit, naming the keys that shrink the need."""
     need = estimate(cfg, model)
-    fixes = ("lower data.batch_size (raise trainer.accumulate_grad_batches to keep the global batch), "
+    key = "data.batch_tokens" if cfg.data.batch_tokens is not None else "data.batch_size"
+    fixes = (f"lower {key} (raise trainer.accumulate_grad_batches to keep the global batch), "
              "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway")
-    shape = (f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at "
-             f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens")
+    size = (f"data.batch_tokens={cfg.data.batch_tokens}" if cfg.data.batch_tokens is not None
+            else f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens")
+    shape = f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at {size}"
     if on_gpu(cfg):
         total = gpu_memory()
         if need.per_rank > total:

@@ -86,7 +86,7 @@ def test_a_run_that_cannot_fit_in_memory_stops_naming_the_keys(machine, tmp_path
     cfg = wmt(tmp_path, "trainer.devices=1")
     need = preflight.estimate(cfg, model_config(cfg))
     machine["memory"] = need.per_rank  # the process itself needs more than the states and activations
-    with pytest.raises(RecipeError, match="data.batch_size.*trainer.activation_checkpointing=true.*"
+    with pytest.raises(RecipeError, match="data.batch_tokens.*trainer.activation_checkpointing=true.*"
                                           "trainer.check_memory=false"):
         preflight.check(cfg, model_config(cfg))
     unchecked = wmt(tmp_path, "trainer.devices=1", "trainer.check_memory=false")
@@ -97,16 +97,20 @@ def test_a_run_that_cannot_fit_in_memory_stops_naming_the_keys(machine, tmp_path
 
 
 def test_the_estimate_follows_the_strategy_precision_and_recomputation(machine, tmp_path):
-    base = wmt(tmp_path, "trainer.devices=2")
+    sentences = ("trainer.devices=2", "data.batch_tokens=null")  # 128 pairs of up to 256 tokens
+    base = wmt(tmp_path, *sentences)
     model = model_config(base)
     ddp = preflight.estimate(base, model)
-    fsdp = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.strategy=fsdp"), model)
+    fsdp = preflight.estimate(wmt(tmp_path, *sentences, "trainer.strategy=fsdp"), model)
     assert fsdp.states == ddp.states // 2 and fsdp.activations == ddp.activations
-    bf16 = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.precision=bf16-true"), model)
+    bf16 = preflight.estimate(wmt(tmp_path, *sentences, "trainer.precision=bf16-true"), model)
     assert bf16.states == ddp.states // 2
-    recompute = preflight.estimate(wmt(tmp_path, "trainer.devices=2", "trainer.activation_checkpointing=true"), model)
+    recompute = preflight.estimate(wmt(tmp_path, *sentences, "trainer.activation_checkpointing=true"), model)
     assert recompute.activations < ddp.activations / 3
     assert ddp.tokens == 256  # data.max_length of the recipe
+    # token batches: pairs x the longest side <= 3,200, so at most 12 pairs of 256 tokens
+    tokens = preflight.estimate(wmt(tmp_path, "trainer.devices=2"), model)
+    assert tokens == preflight.estimate(wmt(tmp_path, *sentences, "data.batch_size=12"), model)
 
 
 def test_spawned_ranks_do_not_check_again(machine, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "gpt2-small-clm": (123, 126),  # Radford et al. 2019: 124M (117M as first reported)
     "t5-base-span": (220, 224),  # Raffel et al. 2020: 220M
     "transformer-base-wmt": (60, 66),  # Vaswani et al. 2017 Table 3: 65M
+    "transformer-big-wmt": (208, 215),  # Vaswani et al. 2017 Table 3: 213M
     "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
     "ul2-base": (220, 225),  # Tay et al. 2022 trained T5 sizes; T5-base: 220M
     "unilm-base": (120, 126),  # Dong et al. 2019 used BERT-base's shape: 110M (+ GPT-2's 50k vocabulary)
@@ -76,13 +77,21 @@ def test_paper_recipes_keep_the_papers_settings():
     assert model_config(load_recipe(RECIPES / "llama-style-clm.yaml")).n_kv_heads == 4
 
 
-@pytest.mark.parametrize("name", ["transformer-base-wmt", "tatoeba-translation", "wmt-news-translation"])
+@pytest.mark.parametrize("name", ["transformer-base-wmt", "transformer-big-wmt", "tatoeba-translation",
+                                  "wmt-news-translation"])
 def test_translation_recipes_decode_and_average_as_the_paper(name):
-    """Vaswani et al. 2017, 6.1: beam 4, length penalty 0.6, the average of the last 5 checkpoints."""
+    """Vaswani et al. 2017, 6.1: beam 4, length penalty 0.6, the average of the last 5 checkpoints;
+    5.1: batches by token count. The paper's recipes keep its schedule; the CPU ones decay
+    linearly to the end of their 15-minute budget."""
     cfg = load_recipe(RECIPES / f"{name}.yaml")
     assert (cfg.objective.name, cfg.objective.num_beams, cfg.objective.length_penalty) == ("seq2seq", 4, 0.6)
     assert cfg.trainer.average_last == 5 and cfg.optim.label_smoothing == 0.1
-    assert cfg.optim.schedule == "inverse_sqrt" and cfg.tokenizer.kind == "bpe"
+    assert cfg.tokenizer.kind == "bpe" and cfg.data.batch_tokens is not None
+    assert cfg.trainer.keep_checkpoints <= 5  # averaging keeps its 5 anyway (training.py)
+    if name.startswith("transformer-"):
+        assert cfg.optim.schedule == "inverse_sqrt" and cfg.trainer.max_time is None
+    else:
+        assert cfg.optim.schedule == "linear" and cfg.trainer.max_time is not None and cfg.trainer.max_time <= 13 * 60
 
 
 # Every field unlike gpt2-small's (the test checks that), in a combination the core accepts.

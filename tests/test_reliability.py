@@ -396,7 +396,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_span_corruption_defaults_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
+def test_encoder_decoders_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
     from lit_transformer import config
     from lit_transformer.config import load_recipe
 
@@ -405,10 +405,11 @@ def test_span_corruption_defaults_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypat
     monkeypatch.setattr(config, "_has_nvidia_gpu", lambda: False)
     for path in RECIPES.glob("*.yaml"):
         cfg = load_recipe(path)
-        if cfg.objective.name == "span":  # never float16: T5's activations overflow it
+        if cfg.objective.name in ("span", "seq2seq"):  # never float16: T5's activations overflow it
             assert cfg.trainer.precision.startswith("bf16") or not bf16_cpu and cfg.trainer.precision == "32-true", path
     span = "bf16-mixed" if bf16_cpu else "32-true"  # emulated bf16 is several times slower than float32
     assert load_recipe(RECIPES / "tiny-span.yaml", ["trainer.precision=null"]).trainer.precision == span
+    assert load_recipe(RECIPES / "tiny-seq2seq.yaml", ["trainer.precision=null"]).trainer.precision == span
     assert load_recipe(RECIPES / "tiny-span.yaml", ["trainer.accelerator=gpu"]).trainer.precision == "bf16-mixed"
     assert load_recipe(RECIPES / "tiny-clm.yaml", ["trainer.precision=null"]).trainer.precision == "32-true"
     # a recipe's own choice stands
