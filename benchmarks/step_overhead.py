@@ -4,6 +4,7 @@ bar) against a bare PyTorch loop over the same model, batch shape, loss and opti
 against the machine's measured matrix-product peak (MFU).
 
     python benchmarks/step_overhead.py [--recipe recipes/tiny-clm.yaml] [--steps 60] [--override K=V ...]
+    python benchmarks/step_overhead.py --before d742744   # also the full path of that commit, alternately
 
 Bare loop: the objective's own loss function on random token rows of data.block_size,
 data.batch_size rows, backward, gradient clipping, the recipe's optimizer (AdamW or Muon +
@@ -13,12 +14,18 @@ off, the progress bar on (as a user runs it); its train/tokens_per_s from the CS
 window after the first logging step, so start-up is not in it). MFU: model FLOPs per token
 (model/accounting.py) times tokens/s over the peak of a 2048^3 matrix product in the run's
 precision on this machine with the recipe's threads. Not part of the test suite.
+
+--before REF: the full path of git revision REF as well (its own code and its own copy of the
+recipe, checked out into a temporary directory), run alternately with this tree's --repeats
+times so that background load falls on both alike; each side's MFU is against the peak of the
+precision that side's recipe resolved to on this machine. Before/after in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -80,17 +87,43 @@ def bare_loop(cfg, steps: int) -> float:
     return B * T * steps / (time.perf_counter() - start)
 
 
-def full_path(recipe: str, overrides: list[str], steps: int) -> float:
+def full_path(recipe: str, overrides: list[str], steps: int, root: Path = ROOT) -> float:
+    """train/tokens_per_s of `pretrain` run from the source tree `root`."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        args = [sys.executable, "-m", "lit_transformer.cli", "pretrain", recipe, *overrides,
+        args = [sys.executable, "-m", "lit_transformer.cli", "pretrain", str(root / recipe), *overrides,
                 f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps * 10}",
                 f"trainer.checkpoint_every_n_steps={steps * 10}", "trainer.log_every_n_steps=10",
                 "trainer.max_time=null", "generation.enabled=false", "logger.wandb.mode=disabled",
                 f"run.dir={run}"]
-        subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        subprocess.run(args, check=True, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         speeds = [r["train/tokens_per_s"] for r in read_metrics(run) if "train/tokens_per_s" in r]
     return sum(speeds[1:]) / max(len(speeds) - 1, 1)  # after the first window (start-up)
+
+
+def checkout(revision: str, into: Path) -> Path:
+    """The tree of git `revision` (a commit, tag or branch) written under `into`."""
+    archive = subprocess.run(["git", "archive", "--format=tar", revision], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def resolved_precision(root: Path, recipe: str, overrides: list[str]) -> str:
+    """trainer.precision as the tree at `root` resolves the recipe on this machine."""
+    code = ("import sys; from lit_transformer.config import load_recipe; "
+            "print(load_recipe(sys.argv[1], sys.argv[2:]).trainer.precision)")
+    out = subprocess.run([sys.executable, "-c", code, str(root / recipe), *overrides], cwd=root, check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    return out.stdout.strip().splitlines()[-1]
+
+
+def peak_of(precision: str, peaks: dict) -> float:
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    if dtype not in peaks:
+        peaks[dtype] = matmul_peak(dtype)
+    return peaks[dtype]
 
 
 def main() -> None:
@@ -98,25 +131,43 @@ def main() -> None:
     p.add_argument("--recipe", default=str(ROOT / "recipes" / "tiny-clm.yaml"))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--before", metavar="REF", help="also measure the full path of this git revision")
+    p.add_argument("--repeats", type=int, default=2, help="with --before: alternate runs per side")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    cfg = load_recipe(args.recipe, args.override)
+    recipe = str(Path(args.recipe).resolve().relative_to(ROOT))
+    cfg = load_recipe(ROOT / recipe, args.override)
     torch.set_num_threads(cfg.trainer.num_threads or torch.get_num_threads())
     model_cfg = model_config(cfg)
     flops_per_token = train_flops(model_cfg, cfg.data.block_size).total / cfg.data.block_size
-    dtype = torch.bfloat16 if cfg.trainer.precision.startswith("bf16") else torch.float32
-    peak = matmul_peak(dtype)
+    peaks: dict = {}
+    peak = peak_of(cfg.trainer.precision, peaks)
     bare = bare_loop(cfg, args.steps)
-    full = full_path(args.recipe, args.override, args.steps)
-    out = {"recipe": Path(args.recipe).stem, "threads": torch.get_num_threads(), "precision": cfg.trainer.precision,
-           "flops_per_token": flops_per_token, "matmul_peak_gflops": peak / 1e9,
-           "bare_tokens_per_s": bare, "full_tokens_per_s": full, "bare_mfu": bare * flops_per_token / peak,
-           "full_mfu": full * flops_per_token / peak, "overhead": 1 - full / bare}
+    out = {"recipe": Path(recipe).stem, "threads": torch.get_num_threads(), "precision": cfg.trainer.precision,
+           "flops_per_token": flops_per_token, "matmul_peak_gflops": peak / 1e9, "bare_tokens_per_s": bare,
+           "bare_mfu": bare * flops_per_token / peak}
+    if args.before is None:
+        full = full_path(recipe, args.override, args.steps)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            old_root = checkout(args.before, Path(tmp))
+            old_precision = resolved_precision(old_root, recipe, args.override)
+            befores, afters = [], []
+            for _ in range(args.repeats):  # alternately: load that comes and goes hits both
+                befores.append(full_path(recipe, args.override, args.steps, old_root))
+                afters.append(full_path(recipe, args.override, args.steps))
+        full, before = max(afters), max(befores)
+        old_peak = peak_of(old_precision, peaks)
+        out.update({"before": args.before, "before_precision": old_precision,
+                    "before_matmul_peak_gflops": old_peak / 1e9, "before_tokens_per_s": before,
+                    "before_mfu": before * flops_per_token / old_peak, "before_runs": befores, "after_runs": afters,
+                    "speedup": full / before})
+    out.update({"full_tokens_per_s": full, "full_mfu": full * flops_per_token / peak, "overhead": 1 - full / bare})
     if args.json:
         print(json.dumps(out))
         return
     for key, value in out.items():
-        print(f"{key:<20} {value:,.4g}" if isinstance(value, float) else f"{key:<20} {value}")
+        print(f"{key:<26} {value:,.4g}" if isinstance(value, float) else f"{key:<26} {value}")
 
 
 if __name__ == "__main__":

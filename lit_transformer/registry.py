@@ -46,8 +46,12 @@ class ObjectiveSpec:
 
 
 SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
-    ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="32-true"),
-    ObjectiveSpec("clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True, precision="32-true"),
+    # bf16 autocast (config.default_precision keeps float32 on CPUs that would emulate it): after
+    # 300 steps tiny-clm reached 2.1182 bits/byte in float32 and in bf16-mixed alike, tiny-mlm
+    # 2.466 and 2.466, at 1.9x and 2.1x the tokens/s (AVX512-BF16 EPYC, 1 thread)
+    ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="bf16-mixed"),
+    ObjectiveSpec("clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True,
+                  precision="bf16-mixed"),
     # T5 activations overflow float16's range: Raffel et al. 2020 trained in bfloat16, and fp16
     # T5 gives inf/NaN, so span corruption defaults to bf16 autocast
     ObjectiveSpec("span", ("encoder_decoder",), "span", ("block_size",), prompt="fill_spans", lm_head=True,

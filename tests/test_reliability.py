@@ -396,7 +396,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("bf16_cpu", [True, False])
-def test_encoder_decoders_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
+def test_language_models_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
     from lit_transformer import config
     from lit_transformer.config import load_recipe
 
@@ -411,7 +411,9 @@ def test_encoder_decoders_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypat
     assert load_recipe(RECIPES / "tiny-span.yaml", ["trainer.precision=null"]).trainer.precision == span
     assert load_recipe(RECIPES / "tiny-seq2seq.yaml", ["trainer.precision=null"]).trainer.precision == span
     assert load_recipe(RECIPES / "tiny-span.yaml", ["trainer.accelerator=gpu"]).trainer.precision == "bf16-mixed"
-    assert load_recipe(RECIPES / "tiny-clm.yaml", ["trainer.precision=null"]).trainer.precision == "32-true"
+    assert load_recipe(RECIPES / "tiny-clm.yaml", ["trainer.precision=null"]).trainer.precision == span
+    assert load_recipe(RECIPES / "tiny-mlm.yaml", ["trainer.precision=null"]).trainer.precision == span
+    assert load_recipe(RECIPES / "tiny-classify.yaml", ["trainer.precision=null"]).trainer.precision == "32-true"
     # a recipe's own choice stands
     assert load_recipe(RECIPES / "tiny-clm.yaml", ["trainer.precision=bf16-mixed"]).trainer.precision == "bf16-mixed"
 
