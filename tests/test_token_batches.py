@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import tiny_config  # noqa: F401  (conftest's fixtures)
 
 from lit_transformer.cli import main
 from lit_transformer.data.config import DataConfig, TokenizerConfig
@@ -63,6 +62,12 @@ def test_resume_skips_exactly_the_consumed_batches():
     resumed = TokenBatchSampler(LENGTHS, 150, seed=2)
     resumed.resume(3, 7)
     assert members(resumed, 3) == full[7:]
+
+
+def test_data_module_refuses_token_batches_of_packed_blocks(tmp_path):
+    from lit_transformer.data.errors import DataError
+    with pytest.raises(DataError, match="data.batch_tokens is for seq2seq and classify; 'clm'"):
+        TextDataModule(DataConfig(cache_dir=str(tmp_path), batch_tokens=256), TokenizerConfig(), "clm")
 
 
 def test_seq2seq_module_batches_by_tokens(tmp_path):

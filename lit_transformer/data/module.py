@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 
 from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMCollator, Seq2SeqCollator,
                                           example_generators, word_start_table)
-from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objective
+from lit_transformer.data.config import LM_OBJECTIVES, DataConfig, TokenizerConfig, check_objective
+from lit_transformer.data.errors import DataError
 from lit_transformer.data.pack import LMBlocks, RaggedExamples
 from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
@@ -96,6 +97,9 @@ class TextDataModule(RankedDataModule):
                  rank: Optional[int] = None, world_size: Optional[int] = None):
         super().__init__()
         self.data, self.tokenizer_cfg, self.objective = data, tokenizer, check_objective(objective)
+        if data.batch_tokens is not None and self.objective in LM_OBJECTIVES:
+            raise DataError(f"data.batch_tokens is for seq2seq and classify; {objective!r} trains on packed blocks "
+                            "of data.block_size tokens: set data.batch_size")
         self.seed, self.run_dir, self.model_vocab_size = seed, run_dir, model_vocab_size
         self._rank, self._world = rank, world_size
         self._prepared: Optional[Prepared] = None
@@ -246,7 +250,7 @@ class TextDataModule(RankedDataModule):
             self._train_stream = stream
             return EpochLoader(stream, owner=self, **kwargs)
         examples = self._datasets[split]
-        if train and cfg.batch_tokens is not None and isinstance(examples, RaggedExamples):
+        if train and cfg.batch_tokens is not None:  # RaggedExamples: __init__ refused packed LM blocks
             sampler = TokenBatchSampler(examples.lengths(), cfg.batch_tokens, seed=self.seed, shuffle=cfg.shuffle,
                                         rank=self.rank, world_size=self.world_size)
         else:

@@ -84,9 +84,9 @@ class TokenBatchSampler(ResumableBatchSampler):
     def _cut(self, order: np.ndarray) -> list[np.ndarray]:
         """`order` sorted by length -> consecutive batches within the token budget."""
         batches, start = [], 0
-        longest = np.maximum.accumulate(self.lengths[order])  # sorted: the last member is the longest
+        lengths = self.lengths[order]  # non-decreasing: a batch's newest member is its longest
         for i in range(1, len(order) + 1):
-            if i == len(order) or (i + 1 - start) * longest[i] > self.batch_tokens:
+            if i == len(order) or (i + 1 - start) * lengths[i] > self.batch_tokens:
                 batches.append(order[start:i])
                 start = i
         return batches
