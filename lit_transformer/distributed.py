@@ -17,6 +17,7 @@ Nothing here knows an objective or a recipe.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 
 import torch
@@ -85,7 +86,13 @@ def materialize(module: torch.nn.Module, device: torch.device) -> None:
     CPU meshes; torch.distributed.tensor._random supports only CUDA-like devices.)"""
     if not any(p.is_meta for p in module.parameters()):
         return
-    module.to_empty(device=device)
+    # Only modules that hold meta tensors themselves: `to_empty` on the whole LightningModule
+    # would also replace the torchmetrics states and their reset defaults with uninitialised
+    # memory (Metric._apply maps both), so a validation loss started from garbage: inf or NaN
+    # in some runs, depending on what the allocator handed back.
+    for sub in module.modules():
+        if any(t.is_meta for t in itertools.chain(sub.parameters(recurse=False), sub.buffers(recurse=False))):
+            sub.to_empty(device=device, recurse=False)
     for sub in module.modules():
         if isinstance(sub, LanguageModel):
             sub.tie_weights()  # to_empty allocates a tied weight once per name

@@ -278,3 +278,32 @@ def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):
         if value.is_floating_point():
             expected = (value + reference[name] + 1) / 2
             assert torch.allclose(mean[prefix + name], expected, atol=1e-6), name
+
+
+def test_materialize_allocates_only_the_meta_tensors():
+    """FSDP2's meta-built module is materialised in place; tensors that are already real, like
+    torchmetrics' running sums and the defaults its reset() restores, must be left alone: once
+    replaced by uninitialised memory, an FSDP run's validation loss began at garbage (inf or NaN
+    in some runs of tests/test_matrix.py, depending on what the allocator returned)."""
+    from torch import nn
+
+    from lit_transformer.distributed import materialize
+    from lit_transformer.model import LanguageModel, TransformerConfig
+    from lit_transformer.objectives.metrics import TokenAverage
+
+    cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32)
+    holder = nn.Module()
+    holder.model = LanguageModel.from_config(cfg, device="meta")
+    holder.metric = TokenAverage()
+    holder.metric.update(torch.tensor(3.0), torch.tensor(2.0))
+    total, default = holder.metric.total, holder.metric._defaults["total"]
+    materialize(holder, torch.device("cpu"))
+    assert holder.metric.total is total and holder.metric._defaults["total"] is default
+    assert float(holder.metric.compute()) == 1.5
+    holder.metric.reset()
+    assert float(holder.metric.total) == 0.0 and float(holder.metric.count) == 0.0
+    model = holder.model
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert model.lm_head.decoder.weight is model.transformer.tokens.weight
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert abs(model.transformer.decoder.blocks[0].ffn.up.weight.std().item() - cfg.init_std) < 0.01
