@@ -134,9 +134,9 @@ def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
         activations = (2 * model.d_model * width * layers + full_layer) * tokens * batch
     else:
         activations = full_layer * layers * tokens * batch
-    # the LM head's logits exist one chunk of rows at a time (objectives/fused_loss.py): float32
-    # logits, their log-softmax and gradient for at most CHUNK_ROWS rows
-    logits = 3 * 4 * min(batch * tokens, LOSS_CHUNK_ROWS) * model.vocab_size
+    # the LM head's logits exist one chunk of at most CHUNK_ROWS rows at a time, in the compute
+    # dtype, and become that chunk's gradient in place (objectives/fused_loss.py): 4 bytes at most
+    logits = 4 * min(batch * tokens, LOSS_CHUNK_ROWS) * model.vocab_size
     return MemoryEstimate(states=int(states), activations=int(activations + logits), tokens=tokens)
 
 

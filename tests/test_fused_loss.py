@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lit_transformer.model import TransformerConfig
 from lit_transformer.objectives import CausalLM, Seq2SeqLM
+from lit_transformer.objectives import fused_loss
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
 from conftest import tiny_config
@@ -37,7 +38,10 @@ def leaves(bias: bool, seed: int = 0):
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("chunk_rows", [1, 8, 1000])
-def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows):
+@pytest.mark.parametrize("piece_rows", [3, None])
+def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows, piece_rows, monkeypatch):
+    if piece_rows is not None:  # float32 pieces of 3 rows, uneven in chunks of 8 and 1000
+        monkeypatch.setattr(fused_loss, "PIECE_BYTES", 4 * V * piece_rows)
     results = []
     for fn in (plain, lambda *a: linear_cross_entropy(*a, chunk_rows=chunk_rows)):
         x, w, b, labels = leaves(bias)
@@ -54,9 +58,12 @@ def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_under_bf16_autocast_it_matches_the_plain_path():
+@pytest.mark.parametrize("piece_rows", [3, None])
+def test_under_bf16_autocast_it_matches_the_plain_path(piece_rows, monkeypatch):
     """Logits in bf16 by the same kernel, softmax in float32: the loss is identical, the
     gradients differ only by bf16 rounding (the weight's is summed per chunk)."""
+    if piece_rows is not None:
+        monkeypatch.setattr(fused_loss, "PIECE_BYTES", 4 * V * piece_rows)
     out = []
     for fn in (plain, lambda *a: linear_cross_entropy(*a, chunk_rows=8)):
         x, w, b, labels = leaves(True, seed=1)

@@ -4,12 +4,13 @@ The plain path materialises logits (N, V) in the compute dtype, upcasts them to 
 the log-softmax, keeps both for backward, and in backward fills an (N, V) zero gradient for
 the NLL and another for the log-softmax: for GPT-2's 50,257-token vocabulary at N = 16 x 1024
 that is over 5 GB of tensors, more than the rest of the model's activations. Here each chunk of
-`chunk_rows` rows computes its logits, its loss terms and at once the gradient of the loss with
-respect to those logits, p - (1 - eps) onehot - eps / V (softmax cross-entropy's gradient,
-label smoothing as in F.cross_entropy; with PaLM's z-loss z * lse^2 also + 2 z lse p, lse the
-log of the softmax normaliser), turns that into the gradients of the features, weight
-and bias with two matrix products, and drops the logits. Backward only scales the stored
-gradients. The same idea as Liger-Kernel's FusedLinearCrossEntropy (Hsu et al. 2024), written
+`chunk_rows` rows computes its logits in the compute dtype, then, a few rows at a time in
+float32, its loss terms and at once the gradient of the loss with respect to those logits,
+p - (1 - eps) onehot - eps / V (softmax cross-entropy's gradient, label smoothing as in
+F.cross_entropy; with PaLM's z-loss z * lse^2 also + 2 z lse p, lse the log of the softmax
+normaliser), written over the logits in place; two matrix products turn that into the
+gradients of the features and weight, and the logits are dropped. Backward only scales the
+stored gradients. The same idea as Liger-Kernel's FusedLinearCrossEntropy (Hsu et al. 2024), written
 with torch operations.
 
 Costs and limits: the gradients are computed in forward, so the objectives call it only when a
@@ -17,7 +18,7 @@ backward follows (`ObjectiveBase.fuse_head_and_loss`); the weight must be a plai
 FSDP2 the LM head's weight is sharded outside the model's forward, so the objectives use plain
 logits there).
 
-Shape legend: N rows (tokens), C features, V vocabulary, R rows in a chunk.
+Shape legend: N rows (tokens), C features, V vocabulary, R rows in a chunk, r in a piece of it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import torch
 
 from .metrics import IGNORE_INDEX
 
-CHUNK_ROWS = 2048  # (R, V) float32 logits: 400 MB at V = 50,257; a few chunks keep matmuls large
+CHUNK_ROWS = 2048  # (R, V) logits in the compute dtype: 200 MB in bf16 at V = 50,257; few chunks keep matmuls large
+# The float32 work on the logits (log-softmax, exp, mask) runs on pieces of at most this many
+# bytes, written back as the gradient into the chunk's own logits buffer. A piece stays in the
+# cache, and glibc's malloc serves such a block from memory it keeps, where the (R, V) float32
+# copies of a whole chunk (400 MB at GPT-2's vocabulary) came freshly mapped on every step:
+# ~300,000 page faults a step at N = 1,024, V = 50,257 (benchmarks/run.py --quick's GPT-2),
+# as much wall time as the three matrix products.
+PIECE_BYTES = 8 << 20
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -37,56 +45,66 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)  # (V, C)
         b = bias.to(compute_dtype) if bias is not None else None
         N, V = x.shape[0], w.shape[0]
+        piece_rows = max(1, PIECE_BYTES // (4 * V))
         keep = labels != IGNORE_INDEX  # (N,)
         targets = labels.clamp(min=0)
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
-        grad_b = (torch.zeros(V, dtype=torch.float32, device=w.device)
-                  if b is not None and ctx.needs_input_grad[2] else None)
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        want_b = b is not None and ctx.needs_input_grad[2]
+        grad_x = torch.empty_like(x) if want_x else None
+        grad_w = None  # (V, C): the one chunk's product in the compute dtype, or a float32 sum of chunks
+        grad_b = torch.zeros(V, dtype=torch.float32, device=w.device) if want_b else None
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         nll = torch.zeros((), dtype=torch.float32, device=x.device)
         correct = torch.zeros((), dtype=torch.long, device=x.device)
         eps = label_smoothing
-        # Each (R, V) pass over the logits costs about as much as the loss itself, so the chunk
-        # makes as few as it can: the log-softmax (with the z-loss a logsumexp and a subtraction
-        # instead), a gather, (with smoothing) a mean, the exp
-        # and mask into the gradient (no host sync to skip the mask), one scatter.
         for start in range(0, N, chunk_rows):
-            rows = slice(start, min(start + chunk_rows, N))
-            mask = keep[rows, None].float()  # (R, 1)
-            # logits by the kernel the plain head's nn.Linear uses (in the compute dtype), then
-            # float32: a bf16 log-softmax over a large vocabulary loses the small probabilities
-            logits = torch.nn.functional.linear(x[rows], w, b).float()  # (R, V)
-            if count_correct:
-                correct += ((logits.argmax(-1) == labels[rows]) & keep[rows]).sum()
-            if z_loss:
-                lse = logits.logsumexp(-1, keepdim=True)  # (R, 1): log Z, which the z-loss keeps near 0
-                log_probs = logits.sub_(lse)  # (R, V)
-                loss += z_loss * (lse.square() * mask).sum()
-            else:
-                log_probs = logits.log_softmax(-1)  # (R, V)
-            del logits
-            chunk_nll = -(log_probs.gather(-1, targets[rows, None]) * mask).sum()
-            nll += chunk_nll
-            loss += (1 - eps) * chunk_nll
-            if eps:
-                loss -= eps * (log_probs.mean(-1, keepdim=True) * mask).sum()  # mean over V of -log p
-            if grad_x is None and grad_w is None and grad_b is None:
+            stop = min(start + chunk_rows, N)
+            # logits by the kernel the plain head's nn.Linear uses (in the compute dtype); the
+            # buffer becomes the chunk's gradient piece by piece below
+            logits = torch.nn.functional.linear(x[start:stop], w, b)  # (R, V)
+            for lo in range(start, stop, piece_rows):
+                rows = slice(lo, min(lo + piece_rows, stop))
+                mask = keep[rows, None].float()  # (r, 1)
+                # float32: a bf16 log-softmax over a large vocabulary loses the small probabilities
+                piece = logits[lo - start:rows.stop - start].float()  # (r, V)
+                if count_correct:
+                    correct += ((piece.argmax(-1) == labels[rows]) & keep[rows]).sum()
+                if z_loss:
+                    lse = piece.logsumexp(-1, keepdim=True)  # (r, 1): log Z, which the z-loss keeps near 0
+                    log_probs = piece - lse  # (r, V)
+                    loss += z_loss * (lse.square() * mask).sum()
+                else:
+                    log_probs = piece.log_softmax(-1)  # (r, V)
+                piece_nll = -(log_probs.gather(-1, targets[rows, None]) * mask).sum()
+                nll += piece_nll
+                loss += (1 - eps) * piece_nll
+                if eps:
+                    loss -= eps * (log_probs.mean(-1, keepdim=True) * mask).sum()  # mean over V of -log p
+                if not (want_x or want_w or want_b):
+                    continue
+                # d loss / d logits = p (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows
+                scale = mask * (1 + 2 * z_loss * lse) if z_loss else mask  # (r, 1)
+                grad = log_probs.exp_().mul_(scale)  # (r, V): the (scaled) softmax, zero on ignored rows
+                grad.scatter_add_(-1, targets[rows, None], -(1 - eps) * mask)
+                if eps:
+                    grad.sub_(eps / V * mask)
+                if grad_b is not None:
+                    grad_b += grad.sum(0)
+                logits[lo - start:rows.stop - start] = grad  # rounded to the compute dtype
+            if not (want_x or want_w):
                 continue
-            # d loss / d logits = p (1 + 2 z lse) - (1 - eps) onehot - eps / V, zero on ignored rows
-            scale = mask * (1 + 2 * z_loss * lse) if z_loss else mask  # (R, 1)
-            grad = log_probs.exp_().mul_(scale)  # (R, V): the (scaled) softmax, zero on ignored rows
-            grad.scatter_add_(-1, targets[rows, None], -(1 - eps) * mask)
-            if eps:
-                grad.sub_(eps / V * mask)
-            if grad_b is not None:
-                grad_b += grad.sum(0)
-            grad = grad.to(compute_dtype)
-            if grad_x is not None:
-                grad_x[rows] = grad @ w  # (R, C)
-            if grad_w is not None:
+            grad_logits = logits  # (R, V)
+            if want_x:
+                torch.mm(grad_logits, w, out=grad_x[start:stop])  # (R, C)
+            if want_w:
                 # rounded to the compute dtype per chunk, as autocast's plain backward rounds it once
-                grad_w += grad.T @ x[rows]  # (V, C)
+                part = grad_logits.T @ x[start:stop]  # (V, C)
+                if stop == N and start == 0:
+                    grad_w = part
+                elif grad_w is None:
+                    grad_w = part.float()
+                else:
+                    grad_w += part
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.dtypes = (features.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(nll, correct)
@@ -96,12 +114,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_nll, _grad_correct):
         grad_x, grad_w, grad_b = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        scale = grad_loss
-        # scaled in float32: a loss scale of 2**16 (fp16 AMP's first) is not representable in float16
-        out_x = (grad_x.float() * scale).to(x_dtype) if grad_x is not None else None
-        out_w = (grad_w * scale).to(w_dtype) if grad_w is not None else None
-        out_b = (grad_b * scale).to(b_dtype) if grad_b is not None else None
-        return out_x, out_w, out_b, None, None, None, None, None, None
+        # scaled in float32: a loss scale of 2**16 (fp16 AMP's first) is not representable in
+        # float16; one new tensor each (the stored gradients stay as they are)
+        def scaled(grad, dtype):
+            return None if grad is None else grad.to(torch.float32, copy=True).mul_(grad_loss).to(dtype)
+
+        return scaled(grad_x, x_dtype), scaled(grad_w, w_dtype), scaled(grad_b, b_dtype), *([None] * 6)
 
 
 def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
