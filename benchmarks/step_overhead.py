@@ -43,6 +43,7 @@ from lit_transformer.objectives import CausalLM  # noqa: E402
 from lit_transformer.objectives.causal_lm import causal_terms  # noqa: E402
 from lit_transformer.objectives.optim import build_optimizer, make_scheduler, parameter_groups  # noqa: E402
 from lit_transformer.rundir import read_metrics  # noqa: E402
+from lit_transformer.training import keep_freed_memory  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
@@ -79,12 +80,16 @@ def bare_loop(cfg, steps: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
-    for _ in range(5):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return B * T * steps / (time.perf_counter() - start)
+    keep_freed_memory(cfg.trainer.keep_freed_memory)  # as `pretrain` does during fit
+    try:
+        for _ in range(5):
+            step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return B * T * steps / (time.perf_counter() - start)
+    finally:
+        keep_freed_memory(False)
 
 
 def full_path(recipe: str, overrides: list[str], steps: int, root: Path = ROOT) -> float:

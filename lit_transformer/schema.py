@@ -171,6 +171,10 @@ class TrainerConfig:
     nonfinite_patience: int = 10
     # refuse at start-up a run whose ranks need more memory than the machine has (preflight.py)
     check_memory: bool = True
+    # glibc's malloc keeps the memory each step frees for the next one instead of unmapping it
+    # and page-faulting it back in (training.keep_freed_memory): 1.1-1.2x the tokens/s of tiny
+    # models on CPU, at ~25% more resident memory. false: glibc's defaults
+    keep_freed_memory: bool = True
 
     def __post_init__(self):
         for key in ("max_steps", "accumulate_grad_batches", "val_check_interval", "log_every_n_steps",

@@ -324,6 +324,48 @@ class SampleGenerations(Callback):
                                  data=[[step, p, c] for p, c in pairs], step=step)
 
 
+class KeepFreedMemory(Callback):
+    """trainer.keep_freed_memory: during fit, glibc's malloc keeps the memory a step frees for
+    the next step (keep_freed_memory below); its defaults are back after fit, or an error."""
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        keep_freed_memory(True)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        keep_freed_memory(False)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        keep_freed_memory(False)
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (<malloc.h>)
+DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536  # glibc's own values (mallopt(3))
+
+
+def keep_freed_memory(keep: bool) -> bool:
+    """Process-wide, glibc only (returns whether it applied). keep: every allocation comes from
+    malloc's heap (no mmap) and freed memory is not returned to the OS below 2 GB at the heap's
+    top. By default glibc maps each block over 32 MB afresh and unmaps it when freed, so each
+    training step page-faults its large tensors (activations, logits, gradients) in again,
+    zero-filled by the kernel: 7.1 million page faults in 400 Tatoeba steps, 0.5 million kept.
+    Costs: the process's resident memory stays near its peak, plus fragmentation (+25% for
+    tatoeba-translation, measured). not keep: glibc's defaults again, and what was kept is
+    given back (malloc_trim)."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return False
+    except (AttributeError, ValueError, OSError):  # not glibc (macOS, Windows, musl)
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if keep:
+        return bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    done = bool(libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX) and libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
+    libc.malloc_trim(0)
+    return done
+
+
 # ----------------------------------------------------------------------------- trainer
 
 
@@ -348,6 +390,8 @@ def build_callbacks(cfg: RunConfig, run_dir: Path, extra: Sequence[Callback] = (
         callbacks.append(TimeBudget(cfg.trainer.max_time))
     if progress_bar:
         callbacks.append(ProgressBar(cfg.trainer.max_time))
+    if cfg.trainer.keep_freed_memory:
+        callbacks.append(KeepFreedMemory())
     return callbacks + list(extra)
 
 

@@ -373,3 +373,46 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
         assert checkpointed["sharded"] and plain["sharded"]
         assert len(plain["losses"]) == 4
         assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-6)
+
+
+_PAGE_FAULTS = r'''
+import json, resource, torch
+from lit_transformer.training import keep_freed_memory
+
+def faults_of_a_second_block():
+    """Minor page faults while a 64 MB block is filled after an equal one was freed."""
+    torch.empty(16 << 20).fill_(1.0)  # allocated, touched, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(16 << 20).fill_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+out = {"default": faults_of_a_second_block(), "applied": keep_freed_memory(True)}
+out["kept"] = faults_of_a_second_block()
+out["restored"] = keep_freed_memory(False)
+out["default_again"] = faults_of_a_second_block()
+print(json.dumps(out))
+'''
+
+
+def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
+    """glibc maps blocks over 32 MB afresh on each allocation (16,384 zero-filled pages for
+    64 MB); kept, the second block reuses the first one's memory; restored, glibc maps again.
+    In a subprocess: the setting is process-wide."""
+    if not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"):
+        pytest.skip("mallopt is glibc's")
+    out = json.loads(subprocess.run([sys.executable, "-c", _PAGE_FAULTS], capture_output=True, text=True,
+                                    check=True).stdout)
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert out["applied"] and out["restored"]
+    assert out["default"] > pages // 2 and out["default_again"] > pages // 2, out
+    assert out["kept"] < pages // 20, out
+
+
+def test_keep_freed_memory_is_a_trainer_callback_unless_turned_off(tmp_path):
+    from lit_transformer.config import load_recipe
+    from lit_transformer.training import KeepFreedMemory, build_callbacks
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-clm.yaml"
+    kinds = lambda cfg: [type(c) for c in build_callbacks(cfg, tmp_path, progress_bar=False)]  # noqa: E731
+    assert KeepFreedMemory in kinds(load_recipe(recipe))
+    assert KeepFreedMemory not in kinds(load_recipe(recipe, ["trainer.keep_freed_memory=false"]))
