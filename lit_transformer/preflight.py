@@ -155,11 +155,12 @@ def available_memory() -> int | None:
 def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
     """One line when one node's ranks cannot fit, naming the keys that shrink the need."""
     need = estimate(cfg, model)
-    key = "data.batch_tokens" if cfg.data.batch_tokens is not None else "data.batch_size"
+    if cfg.data.batch_tokens is not None:
+        key, size = "data.batch_tokens", f"data.batch_tokens={cfg.data.batch_tokens}"
+    else:
+        key, size = "data.batch_size", f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens"
     fixes = (f"lower {key} (raise trainer.accumulate_grad_batches to keep the global batch), "
              "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway")
-    size = (f"data.batch_tokens={cfg.data.batch_tokens}" if cfg.data.batch_tokens is not None
-            else f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens")
     shape = f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at {size}"
     if on_gpu(cfg):
         total = gpu_memory()
