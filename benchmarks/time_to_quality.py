@@ -310,7 +310,7 @@ def main() -> dict:
                 f"nanoGPT: one run of {max(budgets):g} s timed from launch, start-up and its evaluations "
                 f"(every {args.nanogpt_eval_interval} iterations) included; bpb at the last evaluation before "
                 "each mark (val loss / ln 2 * characters / bytes of VAL)",
-                f"nanoGPT: max_iters=2000 may end it before a mark (then its final evaluation stands); this run "
+                f"nanoGPT: max_iters={args.nanogpt_max_iters} may end it before a mark (then its final evaluation stands); this run "
                 + (f"was killed at {max(budgets):g} s" if theirs["killed_at_budget"]
                    else f"ended by itself at {theirs['ended_s']:.0f} s"),
                 "threads: nanoGPT " + (f"OMP_NUM_THREADS={args.nanogpt_threads}" if args.nanogpt_threads
