@@ -80,7 +80,8 @@ def bare_loop(cfg, steps: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
 
-    keep_freed_memory(cfg.trainer.keep_freed_memory)  # as `pretrain` does during fit
+    # as `pretrain` does during fit; malloc left alone when the key is false
+    kept = cfg.trainer.keep_freed_memory and keep_freed_memory(True)
     try:
         for _ in range(5):
             step()
@@ -89,7 +90,8 @@ def bare_loop(cfg, steps: int) -> float:
             step()
         return B * T * steps / (time.perf_counter() - start)
     finally:
-        keep_freed_memory(False)
+        if kept:
+            keep_freed_memory(False)
 
 
 def full_path(recipe: str, overrides: list[str], steps: int, root: Path = ROOT) -> float:
@@ -140,6 +142,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="with --before: alternate runs per side")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.steps < 20:  # the full path logs every 10 steps and its first window is start-up
+        p.error(f"--steps {args.steps}: needs at least 20 (the first 10-step window is start-up, not measured)")
     recipe = str(Path(args.recipe).resolve().relative_to(ROOT))
     cfg = load_recipe(ROOT / recipe, args.override)
     torch.set_num_threads(cfg.trainer.num_threads or torch.get_num_threads())

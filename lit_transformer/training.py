@@ -349,8 +349,9 @@ def keep_freed_memory(keep: bool) -> bool:
     training step page-faults its large tensors (activations, logits, gradients) in again,
     zero-filled by the kernel: 7.1 million page faults in 400 Tatoeba steps, 0.5 million kept.
     Costs: the process's resident memory stays near its peak, plus fragmentation (tatoeba-
-    translation's peak 1.69 -> 2.02 GB, measured). not keep: glibc's defaults again, and what was kept is
-    given back (malloc_trim)."""
+    translation's peak 1.69 -> 2.02 GB, measured). not keep: glibc's default limits again, and what
+    was kept is given back (malloc_trim); glibc's sliding mmap threshold stays where it was, as any
+    mallopt call fixes it."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return False

@@ -400,7 +400,7 @@ print(json.dumps(out))
 
 def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
     """glibc maps blocks over 32 MB afresh on each allocation (16,384 zero-filled pages for
-    64 MB); kept, the second block reuses the first one's memory; restored, glibc maps again.
+    64 MB); kept, the third block reuses freed memory; restored, glibc maps again.
     In a subprocess: the setting is process-wide."""
     if not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"):
         pytest.skip("mallopt is glibc's")

@@ -64,9 +64,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = torch.nn.functional.linear(x[start:stop], w, b)  # (R, V)
             for lo in range(start, stop, piece_rows):
                 rows = slice(lo, min(lo + piece_rows, stop))
+                in_chunk = slice(lo - start, rows.stop - start)
                 mask = keep[rows, None].float()  # (r, 1)
                 # float32: a bf16 log-softmax over a large vocabulary loses the small probabilities
-                piece = logits[lo - start:rows.stop - start].float()  # (r, V)
+                piece = logits[in_chunk].float()  # (r, V)
                 if count_correct:
                     correct += ((piece.argmax(-1) == labels[rows]) & keep[rows]).sum()
                 if z_loss:
@@ -90,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad.sub_(eps / V * mask)
                 if grad_b is not None:
                     grad_b += grad.sum(0)
-                logits[lo - start:rows.stop - start] = grad  # rounded to the compute dtype
+                logits[in_chunk] = grad  # rounded to the compute dtype
             if not (want_x or want_w):
                 continue
             # logits (R, V) now hold d loss / d logits
