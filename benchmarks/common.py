@@ -16,8 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -84,16 +85,24 @@ def make_batch(setup: Setup, device: str, seed: int = 0) -> dict[str, torch.Tens
     ones = torch.ones(B, T, dtype=torch.long)
     if setup.family == "bert_mlm":
         chosen = torch.rand(B, T, generator=g) < 0.15
-        batch = {"input_ids": ids[:, :T], "attention_mask": ones,
-                 "labels": torch.where(chosen, ids[:, :T], torch.full_like(ids[:, :T], IGNORE_INDEX))}
+        batch = {
+            "input_ids": ids[:, :T],
+            "attention_mask": ones,
+            "labels": torch.where(chosen, ids[:, :T], torch.full_like(ids[:, :T], IGNORE_INDEX)),
+        }
     elif setup.family == "gpt2_clm":
         batch = {"input_ids": ids[:, :T], "attention_mask": ones, "labels": ids[:, 1:]}  # labels already shifted
     else:
         Tt = setup.target_len
         labels = torch.randint(5, cfg.vocab_size, (B, Tt), generator=g)  # (B, T)
         decoder_input_ids = torch.cat([torch.zeros(B, 1, dtype=torch.long), labels[:, :-1]], dim=1)
-        batch = {"input_ids": ids[:, :T], "attention_mask": ones, "labels": labels,
-                 "decoder_input_ids": decoder_input_ids, "decoder_attention_mask": torch.ones(B, Tt, dtype=torch.long)}
+        batch = {
+            "input_ids": ids[:, :T],
+            "attention_mask": ones,
+            "labels": labels,
+            "decoder_input_ids": decoder_input_ids,
+            "decoder_attention_mask": torch.ones(B, Tt, dtype=torch.long),
+        }
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -201,8 +210,9 @@ def build_hf(setup: Setup, device: str, precision: str, compile: bool = False, o
     model.to(dtype=weight_dtype(precision)).train()
     forward = torch.compile(model) if compile else model
     optimizer = make_optimizer(model.parameters())
-    return Side(model, optimizer, _train_step(lambda b: forward(**hf_inputs(setup, b)).loss, optimizer, device,
-                                              precision))
+    return Side(
+        model, optimizer, _train_step(lambda b: forward(**hf_inputs(setup, b)).loss, optimizer, device, precision)
+    )
 
 
 def hf_inputs(setup: Setup, batch: dict[str, torch.Tensor]) -> dict:
@@ -210,8 +220,12 @@ def hf_inputs(setup: Setup, batch: dict[str, torch.Tensor]) -> dict:
     if setup.family == "gpt2_clm":
         # GPT2LMHeadModel shifts the labels itself: labels = input_ids predicts input_ids[t+1]
         # at t < T-1, the same targets as ours but the last (the same matrix products).
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                "labels": batch["input_ids"], "use_cache": False}
+        return {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            "labels": batch["input_ids"],
+            "use_cache": False,
+        }
     if setup.family == "t5_span":
         return {**batch, "use_cache": False}
     return dict(batch)
@@ -258,15 +272,16 @@ class MatmulPeak:
         for _ in range(self.inner):
             torch.mm(self.a, self.b, out=self.out)
         sync(self.device)
-        self.rates.append(2 * self.size ** 3 * self.inner / (time.perf_counter() - start))
+        self.rates.append(2 * self.size**3 * self.inner / (time.perf_counter() - start))
 
     @property
     def best(self) -> float:
         return max(self.rates)
 
 
-def time_alternating(steps: dict[str, Callable], batch, device: str, *, warmup: int, rounds: int
-                     ) -> dict[str, list[float]]:
+def time_alternating(
+    steps: dict[str, Callable], batch, device: str, *, warmup: int, rounds: int
+) -> dict[str, list[float]]:
     """Seconds per call of each named function, interleaved call by call (A B A B ...) so that
     the machine's background load falls on all of them alike."""
     for _ in range(warmup):
@@ -289,16 +304,19 @@ def paired_speedup(ours: list[float], theirs: list[float]) -> float:
     return statistics.median(t / o for o, t in zip(ours, theirs))
 
 
-def peak_memory_subprocess(family: str, side: str, setup_args: dict[str, Any], precision: str,
-                           steps: int = 2, threads: int | None = None) -> int:
+def peak_memory_subprocess(
+    family: str, side: str, setup_args: dict[str, Any], precision: str, steps: int = 2, threads: int | None = None
+) -> int:
     """CPU peak memory of one side: a fresh process builds that side alone and runs `steps`
     training steps; the result is its resident-set high-water mark (VmHWM, reset after the
     imports through /proc/self/clear_refs) less its resident set after importing torch and
     transformers. So it counts weights, gradients, AdamW moments and the activation peak,
     like CUDA's max_memory_allocated, plus allocator slack. Not ru_maxrss: Linux carries the
     parent's high-water mark into a forked and exec'd child's ru_maxrss."""
-    code = (f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import common; "
-            f"print(common.memory_child({family!r}, {side!r}, {setup_args!r}, {precision!r}, {steps}, {threads!r}))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import common; "
+        f"print(common.memory_child({family!r}, {side!r}, {setup_args!r}, {precision!r}, {steps}, {threads!r}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -310,8 +328,9 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def memory_child(family: str, side: str, setup_args: dict[str, Any], precision: str, steps: int,
-                 threads: int | None = None) -> int:
+def memory_child(
+    family: str, side: str, setup_args: dict[str, Any], precision: str, steps: int, threads: int | None = None
+) -> int:
     import transformers  # noqa: F401  (both sides pay the import before the baseline)
 
     import lit_transformer.objectives  # noqa: F401

@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lit_transformer.data import pack  # noqa: E402
-from lit_transformer.data.config import DataConfig, TokenizerConfig  # noqa: E402
 from lit_transformer.data.fast_encode import WordEncoder  # noqa: E402
 from lit_transformer.data.pack import fast_copy  # noqa: E402
 from lit_transformer.data.prepare import build  # noqa: E402
+from lit_transformer.data.settings import DataConfig, TokenizerConfig  # noqa: E402
 
 
 def _cpu_seconds() -> np.ndarray:
@@ -60,8 +60,12 @@ def main() -> dict:
     parser.add_argument("--repeat", type=int, default=3, help="first runs into fresh caches; the best is reported")
     parser.add_argument("--num-proc", type=int, default=1, help="data.num_proc for packing; 0: None (automatic)")
     parser.add_argument("--repeat-corpus", type=int, default=1, help="pack this many copies of the corpus")
-    parser.add_argument("--switch-mb", type=float, default=None,
-                        help="the automatic rule's serial prefix in MB (default: pack.SWITCH_CHARS)")
+    parser.add_argument(
+        "--switch-mb",
+        type=float,
+        default=None,
+        help="the automatic rule's serial prefix in MB (default: pack.SWITCH_CHARS)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     num_proc = args.num_proc or None
@@ -77,8 +81,14 @@ def main() -> dict:
     rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # torch + lightning + tokenizers
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     with tempfile.TemporaryDirectory() as cache:
-        data = DataConfig(train_files=files, text_format="lines", val_fraction=0.0, block_size=args.block_size,
-                          cache_dir=cache, num_proc=num_proc)
+        data = DataConfig(
+            train_files=files,
+            text_format="lines",
+            val_fraction=0.0,
+            block_size=args.block_size,
+            cache_dir=cache,
+            num_proc=num_proc,
+        )
         tok = TokenizerConfig(kind="bpe", vocab_size=args.vocab_size, num_sentinels=100)
 
         # 1. tokenizer training (cached afterwards under the same cache root)
@@ -120,18 +130,30 @@ def main() -> dict:
 
     mb = meta["bytes"] / 1e6
     result = {
-        "corpus": files, "repeat_corpus": args.repeat_corpus, "mb": round(mb, 3), "documents": meta["documents"],
+        "corpus": files,
+        "repeat_corpus": args.repeat_corpus,
+        "mb": round(mb, 3),
+        "documents": meta["documents"],
         "tokens": meta["tokens"],
-        "blocks": meta["blocks"], "block_size": args.block_size, "vocab_size": args.vocab_size, "cores": cores,
-        "tokenizer_train_s": round(train_s, 3), "fast_path": fast_path,
-        "num_proc": num_proc if num_proc is not None else f"auto ({pack.auto_num_proc()} after "
-                                                            f"{pack.SWITCH_CHARS / 1e6:g} MB)",
+        "blocks": meta["blocks"],
+        "block_size": args.block_size,
+        "vocab_size": args.vocab_size,
+        "cores": cores,
+        "tokenizer_train_s": round(train_s, 3),
+        "fast_path": fast_path,
+        "num_proc": num_proc
+        if num_proc is not None
+        else f"auto ({pack.auto_num_proc()} after {pack.SWITCH_CHARS / 1e6:g} MB)",
         "rayon_num_threads": os.environ.get("RAYON_NUM_THREADS", "all cores"),
-        "first_run_s": round(first_s, 3), "first_run_all_s": [round(r, 3) for r in runs], "first_run_mb_per_s": round(mb / first_s, 2),
+        "first_run_s": round(first_s, 3),
+        "first_run_all_s": [round(r, 3) for r in runs],
+        "first_run_mb_per_s": round(mb / first_s, 2),
         "first_run_mb_per_s_per_core": round(mb / first_s / cores, 2),
-        "first_run_cpu_s": round(cpu[best].sum(), 3), "first_run_mb_per_cpu_s": round(mb / cpu[best].sum(), 2),
+        "first_run_cpu_s": round(cpu[best].sum(), 3),
+        "first_run_mb_per_cpu_s": round(mb / cpu[best].sum(), 2),
         "first_run_workers_cpu_s": round(cpu[best][1], 3),  # the pool's share (0 with one process)
-        "reload_s": round(reload_s, 4), "reload_mb_per_s": round(mb / reload_s, 1),
+        "reload_s": round(reload_s, 4),
+        "reload_mb_per_s": round(mb / reload_s, 1),
         "reload_speedup": round(first_s / reload_s, 1),
         "load_average_1min": round(os.getloadavg()[0], 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -41,8 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per mode; the fastest is reported")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--quick", action="store_true", help="2 layers, 64 new tokens")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="also write the results as JSON to PATH (or stdout without PATH)")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH (or stdout without PATH)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.new_tokens = args.layers or 2, 64
@@ -66,8 +72,13 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    cfg = preset("gpt2-small", n_layers=args.layers, dropout=0.0, attention_dropout=0.0,
-                 max_seq_len=max(1024, args.prompt_length + args.new_tokens))
+    cfg = preset(
+        "gpt2-small",
+        n_layers=args.layers,
+        dropout=0.0,
+        attention_dropout=0.0,
+        max_seq_len=max(1024, args.prompt_length + args.new_tokens),
+    )
     torch.manual_seed(0)
     model = LanguageModel.from_config(cfg, device=args.device).to(dtype).eval()
     prompt = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_length), device=args.device)
@@ -100,14 +111,18 @@ def main(argv=None) -> dict:
         "target_speedup": 5.0,
         "meets_target": speedup >= 5.0,
     }
-    print(f"{report['model']}, {report['parameters'] / 1e6:.1f}M parameters, {report['device']} "
-          f"({report['threads']} threads), {args.dtype}, batch {args.batch}, prompt {args.prompt_length}, "
-          f"{args.new_tokens} new tokens")
+    print(
+        f"{report['model']}, {report['parameters'] / 1e6:.1f}M parameters, {report['device']} "
+        f"({report['threads']} threads), {args.dtype}, batch {args.batch}, prompt {args.prompt_length}, "
+        f"{args.new_tokens} new tokens"
+    )
     print(f"{'mode':<12}{'seconds':>10}{'tokens/s':>12}")
     for mode in ("kv_cache", "recompute"):
         print(f"{mode:<12}{results[mode]['seconds']:>10.2f}{results[mode]['tokens_per_s']:>12.1f}")
-    print(f"speed-up {speedup:.1f}x (target >= 5x: {'met' if report['meets_target'] else 'NOT met'}); "
-          f"identical tokens: {report['same_tokens']}")
+    print(
+        f"speed-up {speedup:.1f}x (target >= 5x: {'met' if report['meets_target'] else 'NOT met'}); "
+        f"identical tokens: {report['same_tokens']}"
+    )
     if args.json == "-":
         print(json.dumps(report, indent=2))
     elif args.json:

@@ -42,8 +42,13 @@ def best_ms(step, repeat: int) -> float:
 
 def attention_cases(repeat: int) -> list[dict]:
     rows = []
-    for B, T, kind in ((2, 512, "none"), (2, 512, "causal"), (2, 512, "t5_bias"), (4, 256, "causal"),
-                       (1, 1024, "causal")):
+    for B, T, kind in (
+        (2, 512, "none"),
+        (2, 512, "causal"),
+        (2, 512, "t5_bias"),
+        (4, 256, "causal"),
+        (1, 1024, "causal"),
+    ):
         H, D = 12, 64
         q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
         bias = torch.randn(1, H, T, T, requires_grad=True) if kind == "t5_bias" else None
@@ -56,12 +61,18 @@ def attention_cases(repeat: int) -> list[dict]:
 
         def matmuls():
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = _matmul_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, is_causal=causal,
-                                        scale=D ** -0.5, dropout=0.0)
+                out = _matmul_attention(
+                    q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, is_causal=causal, scale=D**-0.5, dropout=0.0
+                )
             out.float().sum().backward()
 
-        rows.append({"case": f"attention B={B} T=S={T} {kind}", "sdpa_ms": best_ms(sdpa, repeat),
-                     "matmuls_ms": best_ms(matmuls, repeat)})
+        rows.append(
+            {
+                "case": f"attention B={B} T=S={T} {kind}",
+                "sdpa_ms": best_ms(sdpa, repeat),
+                "matmuls_ms": best_ms(matmuls, repeat),
+            }
+        )
     return rows
 
 
@@ -85,8 +96,13 @@ def projection_cases(repeat: int) -> list[dict]:
                 out.backward()
 
         with torch.set_grad_enabled(tokens > 1):
-            rows.append({"case": f"q/k/v projections, {tokens} token(s), C={C}", "separate_ms": best_ms(separate, repeat),
-                         "stacked_ms": best_ms(stacked, repeat)})
+            rows.append(
+                {
+                    "case": f"q/k/v projections, {tokens} token(s), C={C}",
+                    "separate_ms": best_ms(separate, repeat),
+                    "stacked_ms": best_ms(stacked, repeat),
+                }
+            )
     return rows
 
 
@@ -100,10 +116,18 @@ def rms_norm_case(repeat: int) -> dict:
     def formula():
         (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).sum().backward()
 
-    same = (F.rms_norm(x, (768,), weight, 1e-6) - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-            * weight).abs().max().item()
-    return {"case": "RMSNorm 8 x 512 x 768 float32", "fused_ms": best_ms(fused, repeat),
-            "formula_ms": best_ms(formula, repeat), "max_abs_difference": same}
+    same = (
+        (F.rms_norm(x, (768,), weight, 1e-6) - x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight)
+        .abs()
+        .max()
+        .item()
+    )
+    return {
+        "case": "RMSNorm 8 x 512 x 768 float32",
+        "fused_ms": best_ms(fused, repeat),
+        "formula_ms": best_ms(formula, repeat),
+        "max_abs_difference": same,
+    }
 
 
 def main() -> None:

@@ -71,8 +71,7 @@ RECIPE = REPO / "recipes" / "tiny-clm.yaml"
 LINES_PER_DOC = 20  # sentence-per-line files (news, Tatoeba): 20 consecutive lines make one document
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__")
 RUN_CLM_VALIDATION_PERCENT = 5  # run_clm.py's --validation_split_percentage default
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-             "WANDB_MODE": "disabled"}
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,7 +94,7 @@ def _paragraphs(text: str) -> list[str]:
 
 def _line_documents(text: str) -> list[str]:
     lines = [line for line in text.splitlines() if line.strip()]
-    return ["\n".join(lines[i:i + LINES_PER_DOC]) for i in range(0, len(lines), LINES_PER_DOC)]
+    return ["\n".join(lines[i : i + LINES_PER_DOC]) for i in range(0, len(lines), LINES_PER_DOC)]
 
 
 def source_documents(data_dir: Path) -> dict[str, list[bytes]]:
@@ -156,8 +155,12 @@ def build_corpus(data_dir: Path, workdir: Path, mb: float, invalid_bytes: int) -
             if pos < written:
                 dst.write(b"\xff")
     return {
-        "corpus": str(messy), "clean_corpus": str(clean), "mb": round(messy.stat().st_size / 1e6, 2),
-        "copies": round(written / unique, 2), "unique_mb": round(unique / 1e6, 2), "documents": len(docs),
+        "corpus": str(messy),
+        "clean_corpus": str(clean),
+        "mb": round(messy.stat().st_size / 1e6, 2),
+        "copies": round(written / unique, 2),
+        "unique_mb": round(unique / 1e6, 2),
+        "documents": len(docs),
         "invalid_bytes": invalid_bytes,
         "composition_mb": {lang: round(sum(len(d) + 2 for d in items) / 1e6, 2) for lang, items in by_lang.items()},
     }
@@ -176,7 +179,7 @@ def _children_map() -> dict[int, list[int]]:
                     stat = f.read()
             except OSError:
                 continue
-            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])  # fields after "(comm)": state, ppid
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # fields after "(comm)": state, ppid
             out.setdefault(ppid, []).append(int(entry))
     return out
 
@@ -231,10 +234,14 @@ def measure(cmd: list[str], log: Path, env: dict, mb: float) -> dict:
         sampler.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
     return {
-        "rc": proc.returncode, "wall_s": round(wall, 2), "mb_per_s": round(mb / wall, 2),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),
+        "rc": proc.returncode,
+        "wall_s": round(wall, 2),
+        "mb_per_s": round(mb / wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),
         "tree_rss_gb": round(sampler.peak_rss_kb * 1024 / 1e9, 3),
-        "tree_pss_gb": round(sampler.peak_pss_kb * 1024 / 1e9, 3), "max_processes": sampler.max_processes,
+        "tree_pss_gb": round(sampler.peak_pss_kb * 1024 / 1e9, 3),
+        "max_processes": sampler.max_processes,
         "output": log.read_text("utf-8", "replace"),
     }
 
@@ -247,55 +254,89 @@ def _tail(text: str, lines: int = 15) -> str:
 # lit-transformer
 
 
-SPLIT_LINE = re.compile(r"^(train|validation)\s+([\d,]+) documents\s+([\d,]+) tokens\s+([\d,]+) blocks\s+"
-                        r"([\d.]+) s\s+([\d.]+) MB/s(.*)$", re.M)
+SPLIT_LINE = re.compile(
+    r"^(train|validation)\s+([\d,]+) documents\s+([\d,]+) tokens\s+([\d,]+) blocks\s+"
+    r"([\d.]+) s\s+([\d.]+) MB/s(.*)$",
+    re.M,
+)
 
 
 def lit_command(command: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "lit_transformer.cli", command, str(RECIPE), *overrides]
+    return [sys.executable, "-m", "lit_transformer.commands.cli", command, str(RECIPE), *overrides]
 
 
 def run_prepare(name: str, corpus: dict, workdir: Path, args, env: dict, tokenizer: str | None) -> dict:
-    tok = [f"tokenizer.path={tokenizer}"] if tokenizer else [
-        f"tokenizer.vocab_size={args.vocab_size}", f"tokenizer.max_train_bytes={int(args.tokenizer_mb * 1e6)}"]
-    overrides = [f"data.train_files=[{corpus['corpus']}]", "data.max_train_bytes=null", "data.max_val_bytes=null",
-                 f"data.block_size={args.block_size}", f"data.cache_dir={workdir / ('cache_' + name)}",
-                 f"run.dir={workdir / ('run_' + name)}", *tok]
+    tok = (
+        [f"tokenizer.path={tokenizer}"]
+        if tokenizer
+        else [f"tokenizer.vocab_size={args.vocab_size}", f"tokenizer.max_train_bytes={int(args.tokenizer_mb * 1e6)}"]
+    )
+    overrides = [
+        f"data.train_files=[{corpus['corpus']}]",
+        "data.max_train_bytes=null",
+        "data.max_val_bytes=null",
+        f"data.block_size={args.block_size}",
+        f"data.cache_dir={workdir / ('cache_' + name)}",
+        f"run.dir={workdir / ('run_' + name)}",
+        *tok,
+    ]
     result = measure(lit_command("prepare", overrides), workdir / f"{name}.log", env, corpus["mb"])
-    splits = {m[0]: {"documents": int(m[1].replace(",", "")), "tokens": int(m[2].replace(",", "")),
-                     "blocks": int(m[3].replace(",", "")), "seconds": float(m[4]), "notes": m[6].strip()}
-              for m in SPLIT_LINE.findall(result["output"])}
+    splits = {
+        m[0]: {
+            "documents": int(m[1].replace(",", "")),
+            "tokens": int(m[2].replace(",", "")),
+            "blocks": int(m[3].replace(",", "")),
+            "seconds": float(m[4]),
+            "notes": m[6].strip(),
+        }
+        for m in SPLIT_LINE.findall(result["output"])
+    }
     # counted while reading the file: the validation split is drawn from the same file, so each
     # split's line reports the file's count; the train split's is the corpus total
     replaced = re.findall(r"replaced_chars=(\d+)", splits.get("train", {}).get("notes", ""))
     result.update(
         name=f"lit-transformer prepare{', given tokenizer' if tokenizer else ''}",
         command="lit-transformer prepare recipes/tiny-clm.yaml " + " ".join(overrides),
-        tokens=sum(s["tokens"] for s in splits.values()), blocks=sum(s["blocks"] for s in splits.values()),
-        pack_s=round(sum(s["seconds"] for s in splits.values()), 2), replaced=int(replaced[0]) if replaced else 0,
-        tokenizer_json=str(workdir / f"run_{name}" / "tokenizer.json"), splits=splits,
+        tokens=sum(s["tokens"] for s in splits.values()),
+        blocks=sum(s["blocks"] for s in splits.values()),
+        pack_s=round(sum(s["seconds"] for s in splits.values()), 2),
+        replaced=int(replaced[0]) if replaced else 0,
+        tokenizer_json=str(workdir / f"run_{name}" / "tokenizer.json"),
+        splits=splits,
         result="ok" if result["rc"] == 0 and splits else f"fails (exit {result['rc']}): {_tail(result['output'], 3)}",
     )
     return result
 
 
 def run_streaming(steps: int, corpus: dict, workdir: Path, args, env: dict, tokenizer: str) -> dict:
-    overrides = [f"data.train_files=[{corpus['corpus']}]", "data.streaming=true", "data.max_train_bytes=null",
-                 f"data.block_size={args.block_size}", f"data.cache_dir={workdir / 'cache_streaming'}",
-                 f"tokenizer.path={tokenizer}", f"trainer.max_steps={steps}", "logger.wandb.mode=disabled",
-                 # the recipe's bf16-mixed was 15x slower per step (0.14 against 2.2 it/s) on a CPU without
-                 # bf16 matrix instructions; precision does not change what this measures (data memory)
-                 "trainer.precision=32-true",
-                 "generation.enabled=false", f"run.dir={workdir / f'run_streaming_{steps}'}", "run.overwrite=true"]
+    overrides = [
+        f"data.train_files=[{corpus['corpus']}]",
+        "data.streaming=true",
+        "data.max_train_bytes=null",
+        f"data.block_size={args.block_size}",
+        f"data.cache_dir={workdir / 'cache_streaming'}",
+        f"tokenizer.path={tokenizer}",
+        f"trainer.max_steps={steps}",
+        "logger.wandb.mode=disabled",
+        # the recipe's bf16-mixed was 15x slower per step (0.14 against 2.2 it/s) on a CPU without
+        # bf16 matrix instructions; precision does not change what this measures (data memory)
+        "trainer.precision=32-true",
+        "generation.enabled=false",
+        f"run.dir={workdir / f'run_streaming_{steps}'}",
+        "run.overwrite=true",
+    ]
     result = measure(lit_command("pretrain", overrides), workdir / f"streaming_{steps}.log", env, corpus["mb"])
     metrics = {}
     for line in result["output"].splitlines():
         if line.startswith('{"run_dir"'):
             metrics = json.loads(line)
-    result.update(name=f"streaming pretrain, {steps} steps", steps=steps,
-                  command="lit-transformer pretrain recipes/tiny-clm.yaml " + " ".join(overrides),
-                  val_loss=metrics.get("val/loss"),
-                  result="ok" if result["rc"] == 0 else f"fails (exit {result['rc']}): {_tail(result['output'], 3)}")
+    result.update(
+        name=f"streaming pretrain, {steps} steps",
+        steps=steps,
+        command="lit-transformer pretrain recipes/tiny-clm.yaml " + " ".join(overrides),
+        val_loss=metrics.get("val/loss"),
+        result="ok" if result["rc"] == 0 else f"fails (exit {result['rc']}): {_tail(result['output'], 3)}",
+    )
     result.pop("mb_per_s")
     return result
 
@@ -319,17 +360,20 @@ def baseline_child(train_file: str, tokenizer_json: str, block_size: int, num_pr
 
         out["imports_s"] = round(time.perf_counter() - t0, 2)
         # the tokenizer GPT2TokenizerFast would be: input_ids and attention_mask
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json,
-                                            model_input_names=["input_ids", "attention_mask"])
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_file=tokenizer_json, model_input_names=["input_ids", "attention_mask"]
+        )
         data_files = {"train": train_file}
         dataset_args = {"keep_linebreaks": True}
         t = time.perf_counter()
         raw_datasets = load_dataset("text", data_files=data_files, **dataset_args)
         if "validation" not in raw_datasets:
-            raw_datasets["validation"] = load_dataset("text", data_files=data_files,
-                                                      split=f"train[:{RUN_CLM_VALIDATION_PERCENT}%]", **dataset_args)
-            raw_datasets["train"] = load_dataset("text", data_files=data_files,
-                                                 split=f"train[{RUN_CLM_VALIDATION_PERCENT}%:]", **dataset_args)
+            raw_datasets["validation"] = load_dataset(
+                "text", data_files=data_files, split=f"train[:{RUN_CLM_VALIDATION_PERCENT}%]", **dataset_args
+            )
+            raw_datasets["train"] = load_dataset(
+                "text", data_files=data_files, split=f"train[{RUN_CLM_VALIDATION_PERCENT}%:]", **dataset_args
+            )
         out["load_s"] = round(time.perf_counter() - t, 2)
         column_names = list(raw_datasets["train"].features)
         text_column_name = "text" if "text" in column_names else column_names[0]
@@ -340,22 +384,30 @@ def baseline_child(train_file: str, tokenizer_json: str, block_size: int, num_pr
                 return tokenizer(examples[text_column_name])
 
         t = time.perf_counter()
-        tokenized_datasets = raw_datasets.map(tokenize_function, batched=True, num_proc=num_proc,
-                                              remove_columns=column_names, desc="Running tokenizer on dataset")
+        tokenized_datasets = raw_datasets.map(
+            tokenize_function,
+            batched=True,
+            num_proc=num_proc,
+            remove_columns=column_names,
+            desc="Running tokenizer on dataset",
+        )
         out["tokenize_s"] = round(time.perf_counter() - t, 2)
 
         def group_texts(examples):
             concatenated_examples = {k: list(chain(*examples[k])) for k in examples}
             total_length = len(concatenated_examples[list(examples.keys())[0]])
             total_length = (total_length // block_size) * block_size
-            result = {k: [t[i:i + block_size] for i in range(0, total_length, block_size)]
-                      for k, t in concatenated_examples.items()}
+            result = {
+                k: [t[i : i + block_size] for i in range(0, total_length, block_size)]
+                for k, t in concatenated_examples.items()
+            }
             result["labels"] = result["input_ids"].copy()
             return result
 
         t = time.perf_counter()
-        lm_datasets = tokenized_datasets.map(group_texts, batched=True, num_proc=num_proc,
-                                             desc=f"Grouping texts in chunks of {block_size}")
+        lm_datasets = tokenized_datasets.map(
+            group_texts, batched=True, num_proc=num_proc, desc=f"Grouping texts in chunks of {block_size}"
+        )
         out["group_s"] = round(time.perf_counter() - t, 2)
         out["blocks"] = sum(len(d) for d in lm_datasets.values())
         out["tokens"] = sum(len(d) for d in lm_datasets.values()) * block_size
@@ -373,12 +425,22 @@ def baseline_child(train_file: str, tokenizer_json: str, block_size: int, num_pr
 def run_baseline(label: str, train_file: str, mb: float, workdir: Path, args, env: dict, tokenizer: str) -> dict:
     cache = workdir / f"hf_cache_{label}"
     env = dict(env, HF_DATASETS_CACHE=str(cache), HF_HOME=str(workdir / "hf_home"))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_baseline", train_file, tokenizer, str(args.block_size),
-           str(args.num_proc)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_baseline",
+        train_file,
+        tokenizer,
+        str(args.block_size),
+        str(args.num_proc),
+    ]
     result = measure(cmd, workdir / f"baseline_{label}.log", env, mb)
     found = [line for line in result["output"].splitlines() if line.startswith("BASELINE ")]
-    inner = json.loads(found[-1][len("BASELINE "):]) if found else {
-        "result": f"fails (exit {result['rc']}): {_tail(result['output'], 3)}"}
+    inner = (
+        json.loads(found[-1][len("BASELINE ") :])
+        if found
+        else {"result": f"fails (exit {result['rc']}): {_tail(result['output'], 3)}"}
+    )
     result.update(inner, name=f"run_clm pipeline, {label} corpus")
     if result["result"] != "ok":
         result.pop("mb_per_s")  # no throughput for a run that stopped
@@ -391,8 +453,10 @@ def run_baseline(label: str, train_file: str, mb: float, workdir: Path, args, en
 
 def _row(r: dict) -> str:
     mbps = f"{r['mb_per_s']:>7.2f}" if "mb_per_s" in r else f"{'':>7}"
-    return (f"{r['name']:<42} {r['wall_s']:>8.1f} {mbps} {r['cpu_s']:>8.1f} {r['peak_rss_gb']:>7.2f} "
-            f"{r['tree_rss_gb']:>7.2f} {r['tree_pss_gb']:>7.2f}  {r['result'][:110]}")
+    return (
+        f"{r['name']:<42} {r['wall_s']:>8.1f} {mbps} {r['cpu_s']:>8.1f} {r['peak_rss_gb']:>7.2f} "
+        f"{r['tree_rss_gb']:>7.2f} {r['tree_pss_gb']:>7.2f}  {r['result'][:110]}"
+    )
 
 
 def main() -> dict:
@@ -412,7 +476,9 @@ def main() -> dict:
     args = parser.parse_args()
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
 
-    env = dict(os.environ, **QUIET_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, **QUIET_ENV, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="large_corpus_")
     workdir = Path(args.workdir or tmp.name).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -420,12 +486,14 @@ def main() -> dict:
     try:
         t0 = time.perf_counter()
         corpus = build_corpus(Path(args.data_dir), workdir, args.mb, args.invalid_bytes)
-        say(f"corpus     {corpus['corpus']}: {corpus['mb']} MB, {corpus['copies']} shuffled copies of "
+        say(
+            f"corpus     {corpus['corpus']}: {corpus['mb']} MB, {corpus['copies']} shuffled copies of "
             f"{corpus['documents']:,} documents ({corpus['unique_mb']} MB: "
             + ", ".join(f"{k} {v} MB" for k, v in corpus["composition_mb"].items())
-            + f"), {args.invalid_bytes} invalid bytes; built in {time.perf_counter() - t0:.1f} s")
+            + f"), {args.invalid_bytes} invalid bytes; built in {time.perf_counter() - t0:.1f} s"
+        )
         say(f"machine    {cores} cores, load average {os.getloadavg()[0]:.2f}")
-        header = (f"{'':<42} {'wall s':>8} {'MB/s':>7} {'CPU s':>8} {'RSS GB':>7} {'tree':>7} {'PSS':>7}  result")
+        header = f"{'':<42} {'wall s':>8} {'MB/s':>7} {'CPU s':>8} {'RSS GB':>7} {'tree':>7} {'PSS':>7}  result"
         say(header)
         runs = []
 
@@ -444,6 +512,7 @@ def main() -> dict:
         try:
             import datasets  # noqa: F401
             import transformers  # noqa: F401
+
             have_hf = True
         except ImportError as error:
             have_hf = False
@@ -463,24 +532,39 @@ def main() -> dict:
             if all(r["result"] == "ok" for r in streaming) and len(streaming) > 1:
                 for key in ("peak_rss_gb", "tree_pss_gb"):
                     ratios[key] = round(streaming[-1][key] / streaming[0][key], 3)
-                say(f"streaming  peak memory at {streaming[-1]['steps']} / {streaming[0]['steps']} steps: "
-                    + ", ".join(f"{k} x{v}" for k, v in ratios.items()))
+                say(
+                    f"streaming  peak memory at {streaming[-1]['steps']} / {streaming[0]['steps']} steps: "
+                    + ", ".join(f"{k} x{v}" for k, v in ratios.items())
+                )
 
         # start-up (imports, recipe, reading the tokenizer) is wall - pack in the second run
         tokenizer_train_s = round((prep["wall_s"] - prep["pack_s"]) - (given["wall_s"] - given["pack_s"]), 1)
-        say(f"prepare    {prep['replaced']} invalid UTF-8 characters replaced (injected: {args.invalid_bytes}); "
+        say(
+            f"prepare    {prep['replaced']} invalid UTF-8 characters replaced (injected: {args.invalid_bytes}); "
             f"tokenize+pack {prep['pack_s']} s of {prep['wall_s']} s; tokenizer training on {args.tokenizer_mb:g} MB "
             f"~{tokenizer_train_s} s (the difference of the two runs' wall - pack); given the tokenizer: "
-            f"pack {given['pack_s']} s of {given['wall_s']} s")
+            f"pack {given['pack_s']} s of {given['wall_s']} s"
+        )
         for r in runs:
             if "tokenize_s" in r:
-                say(f"baseline   {r['name']}: imports {r['imports_s']} s, load_dataset {r['load_s']} s, tokenize map "
-                    f"{r['tokenize_s']} s, group_texts map {r['group_s']} s; {r['blocks']:,} blocks of {args.block_size}")
+                say(
+                    f"baseline   {r['name']}: imports {r['imports_s']} s, load_dataset {r['load_s']} s, tokenize map "
+                    f"{r['tokenize_s']} s, group_texts map {r['group_s']} s; "
+                    f"{r['blocks']:,} blocks of {args.block_size}"
+                )
         for r in runs:
             r.pop("output", None)
-        result = {"corpus": corpus, "cores": cores, "load_average_1min": round(os.getloadavg()[0], 2),
-                  "vocab_size": args.vocab_size, "tokenizer_mb": args.tokenizer_mb, "block_size": args.block_size,
-                  "tokenizer_train_s_estimate": tokenizer_train_s, "streaming_peak_ratio": ratios, "runs": runs}
+        result = {
+            "corpus": corpus,
+            "cores": cores,
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            "vocab_size": args.vocab_size,
+            "tokenizer_mb": args.tokenizer_mb,
+            "block_size": args.block_size,
+            "tokenizer_train_s_estimate": tokenizer_train_s,
+            "streaming_peak_ratio": ratios,
+            "runs": runs,
+        }
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -51,8 +51,18 @@ QUICK_LENGTHS = (512, 1024, 2048, 4096)
 def model_config(variant: str, length: int, window: int, layers: int) -> TransformerConfig:
     extra = {"window": {"sliding_window": window}, "linear": {"attention_kind": "linear"}}.get(variant, {})
     return TransformerConfig(
-        arch="decoder", vocab_size=1024, d_model=256, n_heads=4, n_layers=layers, d_ff=1024, max_seq_len=length,
-        position="rope", norm="rmsnorm", activation="swiglu", bias=False, **extra,
+        arch="decoder",
+        vocab_size=1024,
+        d_model=256,
+        n_heads=4,
+        n_layers=layers,
+        d_ff=1024,
+        max_seq_len=length,
+        position="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        bias=False,
+        **extra,
     )
 
 
@@ -129,8 +139,13 @@ def measure(variant: str, length: int, args: argparse.Namespace) -> dict:
         if i:  # the first step warms up (allocator, kernels)
             times.append(time.perf_counter() - start)
     peak = (_status_kib("VmHWM") - before) * 1024 if cpu else torch.cuda.max_memory_allocated() - before
-    return {"variant": variant, "length": length, "step_s": statistics.median(times), "peak_bytes": peak,
-            "token_s": generation_time(model, ids[:, :length], args.new_tokens, device, autocast)}
+    return {
+        "variant": variant,
+        "length": length,
+        "step_s": statistics.median(times),
+        "peak_bytes": peak,
+        "token_s": generation_time(model, ids[:, :length], args.new_tokens, device, autocast),
+    }
 
 
 @torch.inference_mode()
@@ -141,7 +156,7 @@ def generation_time(model: LanguageModel, ids: torch.Tensor, new_tokens: int, de
     n = min(new_tokens, T - 1)
     cache = model.transformer.new_cache(1, capacity=T)
     with autocast:
-        hidden = model.transformer.decode(ids[:, :T - n], cache=cache)
+        hidden = model.transformer.decode(ids[:, : T - n], cache=cache)
         token = model.lm_head(hidden[:, -1:]).argmax(-1)  # (1, 1)
         sync(device)
         start = time.perf_counter()
@@ -173,8 +188,11 @@ def table(results: list[dict], variants: list[str], lengths: list[int]) -> str:
         cells = []
         for v in variants:
             r = by.get((v, T))
-            cells.append(f"{r['step_s'] * 1e3:>15.1f} {r['peak_bytes'] / 2**20:>9.0f} {r['token_s'] * 1e3:>9.2f}"
-                         if r else f"{'-':>15} {'-':>9} {'-':>9}")
+            cells.append(
+                f"{r['step_s'] * 1e3:>15.1f} {r['peak_bytes'] / 2**20:>9.0f} {r['token_s'] * 1e3:>9.2f}"
+                if r
+                else f"{'-':>15} {'-':>9} {'-':>9}"
+            )
         lines.append(f"{T:>6} | " + " | ".join(cells))
     return "\n".join(lines)
 
@@ -185,9 +203,14 @@ def relative(results: list[dict], length: int) -> dict:
     full = by.get(("full", length))
     if full is None:
         return {}
-    return {v: {"step_time": by[(v, length)]["step_s"] / full["step_s"],
-                "peak_memory": by[(v, length)]["peak_bytes"] / full["peak_bytes"]}
-            for v in VARIANTS if (v, length) in by and v != "full"}
+    return {
+        v: {
+            "step_time": by[(v, length)]["step_s"] / full["step_s"],
+            "peak_memory": by[(v, length)]["peak_bytes"] / full["peak_bytes"],
+        }
+        for v in VARIANTS
+        if (v, length) in by and v != "full"
+    }
 
 
 def plot(results: list[dict], variants: list[str], path: str) -> str | None:
@@ -198,7 +221,11 @@ def plot(results: list[dict], variants: list[str], path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    panels = (("step_s", "training step (s)"), ("peak_bytes", "peak memory (MiB)"), ("token_s", "generation (ms/token)"))
+    panels = (
+        ("step_s", "training step (s)"),
+        ("peak_bytes", "peak memory (MiB)"),
+        ("token_s", "generation (ms/token)"),
+    )
     scale = {"step_s": 1.0, "peak_bytes": 1 / 2**20, "token_s": 1e3}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (key, title) in zip(axes, panels):
@@ -238,19 +265,35 @@ def main(argv=None) -> int:
     at = 8192 if 8192 in args.lengths else longest
     rel = relative(results, at) if at else {}
     for v, ratios in rel.items():
-        print(f"{v} at T={at}: step time x{ratios['step_time']:.2f}, peak memory x{ratios['peak_memory']:.2f} "
-              "relative to full attention", file=report)
+        print(
+            f"{v} at T={at}: step time x{ratios['step_time']:.2f}, peak memory x{ratios['peak_memory']:.2f} "
+            "relative to full attention",
+            file=report,
+        )
     picture = plot(results, args.variants, args.plot) if args.plot else None
     if args.plot:
-        print(f"plot: {picture}" if picture else "plot: skipped (matplotlib is not installed: pip install -e .[bench])",
-              file=report)
+        print(
+            f"plot: {picture}" if picture else "plot: skipped (matplotlib is not installed: pip install -e .[bench])",
+            file=report,
+        )
     if args.json:
-        print(json.dumps({
-            "device": args.device, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "threads": args.threads or torch.get_num_threads(), "window": args.window, "layers": args.layers,
-            "steps": args.steps, "new_tokens": args.new_tokens, "results": results,
-            "relative_to_full": {"length": at, **rel}, "plot": picture,
-        }))
+        print(
+            json.dumps(
+                {
+                    "device": args.device,
+                    "torch": torch.__version__,
+                    "machine": platform.processor() or platform.machine(),
+                    "threads": args.threads or torch.get_num_threads(),
+                    "window": args.window,
+                    "layers": args.layers,
+                    "steps": args.steps,
+                    "new_tokens": args.new_tokens,
+                    "results": results,
+                    "relative_to_full": {"length": at, **rel},
+                    "plot": picture,
+                }
+            )
+        )
     return 0
 
 

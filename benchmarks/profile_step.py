@@ -27,13 +27,36 @@ import common  # noqa: E402
 # Operator name fragments -> group, first match wins (aten names as the profiler reports them).
 GROUPS = [
     ("loss", ("cross_entropy", "log_softmax", "LogSoftmax", "nll_loss", "NllLoss")),
-    ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "baddbmm", "bmm",
-                   "softmax_backward", "_softmax")),
+    (
+        "attention",
+        (
+            "scaled_dot_product",
+            "flash_attention",
+            "_efficient_attention",
+            "baddbmm",
+            "bmm",
+            "softmax_backward",
+            "_softmax",
+        ),
+    ),
     ("matmul", ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear")),
     ("optimizer", ("adam", "_foreach")),
     ("norm + activation", ("layer_norm", "rms_norm", "gelu", "silu", "tanh", "dropout")),
-    ("copy / cast", ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous",
-                     "aten::cat", "aten::stack", "aten::index", "aten::fill_", "aten::zero_")),
+    (
+        "copy / cast",
+        (
+            "aten::copy_",
+            "aten::to",
+            "aten::_to_copy",
+            "aten::clone",
+            "aten::contiguous",
+            "aten::cat",
+            "aten::stack",
+            "aten::index",
+            "aten::fill_",
+            "aten::zero_",
+        ),
+    ),
 ]
 
 

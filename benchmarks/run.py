@@ -68,8 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (tables on stderr)")
     p.add_argument("--families", default=",".join(common.FAMILIES), help="comma-separated subset")
     p.add_argument("--precision", default="bf16-mixed", choices=common.PRECISIONS)
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile: ours per block (the objective's option), transformers' whole model")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile: ours per block (the objective's option), transformers' whole model",
+    )
     p.add_argument("--layers", type=int, help="override the layers per stack")
     p.add_argument("--seq-len", type=int, help="override the sequence (T5: encoder input) length")
     p.add_argument("--batch", type=int, help="override the batch size")
@@ -129,26 +132,38 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
     hf = common.build_hf(setup, args.device, args.precision, compile=args.compile, ours=ours.module.model)
     # The first step of each: same weights, same batch, so the losses must agree.
     loss, hf_loss = float(ours.step(batch)), float(hf.step(batch))
-    times = common.time_alternating({"ours": ours.step, "hf": hf.step, "peak": peak}, batch, args.device,
-                                    warmup=max(args.warmup - 1, 0), rounds=args.rounds)
+    times = common.time_alternating(
+        {"ours": ours.step, "hf": hf.step, "peak": peak},
+        batch,
+        args.device,
+        warmup=max(args.warmup - 1, 0),
+        rounds=args.rounds,
+    )
     best, hf_best = min(times["ours"]), min(times["hf"])
     flops = common.spent_flops(setup, batch, head_everywhere=family != "bert_mlm")
     hf_flops = common.spent_flops(setup, batch, head_everywhere=True)
     tokens = setup.tokens
     result = {
-        "family": family, "config": setup.description,
+        "family": family,
+        "config": setup.description,
         "precision": args.precision + (" compile" if args.compile else ""),
-        "tokens_per_s": tokens / best, "mfu": None, "peak_memory_bytes": None,
+        "tokens_per_s": tokens / best,
+        "mfu": None,
+        "peak_memory_bytes": None,
         "transformers_tokens_per_s": tokens / hf_best,
         "speedup_vs_transformers": common.paired_speedup(times["ours"], times["hf"]),
         "speedup_of_best_steps": hf_best / best,
         "tokens_per_s_median": tokens / statistics.median(times["ours"]),
         "transformers_tokens_per_s_median": tokens / statistics.median(times["hf"]),
-        "step_seconds": times["ours"], "transformers_step_seconds": times["hf"],
-        "tokens_per_step": tokens, "flops_per_token": flops / tokens,
+        "step_seconds": times["ours"],
+        "transformers_step_seconds": times["hf"],
+        "tokens_per_step": tokens,
+        "flops_per_token": flops / tokens,
         "transformers_flops_per_token": hf_flops / tokens,
-        "transformers_mfu": None, "transformers_peak_memory_bytes": None,
-        "first_loss": loss, "transformers_first_loss": hf_loss,
+        "transformers_mfu": None,
+        "transformers_peak_memory_bytes": None,
+        "first_loss": loss,
+        "transformers_first_loss": hf_loss,
     }
     if abs(loss - hf_loss) > 0.02 * abs(hf_loss):
         log(f"WARNING {family}: first losses differ (ours {loss:.4f}, transformers {hf_loss:.4f})")
@@ -159,12 +174,13 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
         else:
             del ours, hf  # the child processes need the memory more
             for side, key in (("ours", "peak_memory_bytes"), ("hf", "transformers_peak_memory_bytes")):
-                result[key] = common.peak_memory_subprocess(family, side, sargs, args.precision,
-                                                            threads=torch.get_num_threads())
+                result[key] = common.peak_memory_subprocess(
+                    family, side, sargs, args.precision, threads=torch.get_num_threads()
+                )
     return result
 
 
-def cuda_side_peak(side: "common.Side", batch) -> int:
+def cuda_side_peak(side: common.Side, batch) -> int:
     """Peak bytes of one side's step as if it ran alone: the step's peak above what was
     allocated before it, plus this side's own resident parameters and optimizer state."""
     torch.cuda.synchronize()
@@ -208,24 +224,39 @@ def _pct(x) -> str:
 
 def print_table(report: dict, out) -> None:
     peak = report["matmul_peak_flops"]
-    print(f"device: {report['device']}; bf16 matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
-          "(tok/s: fastest step; speed-up: median of adjacent-step ratios)", file=out)
-    print(f"{'family':<9} {'precision':<18} {'ours tok/s':>11} {'hf tok/s':>10} {'speed-up':>9} {'MFU':>6} "
-          f"{'hf MFU':>7} {'ours mem':>9} {'hf mem':>9}  config", file=out)
+    print(
+        f"device: {report['device']}; bf16 matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
+        "(tok/s: fastest step; speed-up: median of adjacent-step ratios)",
+        file=out,
+    )
+    print(
+        f"{'family':<9} {'precision':<18} {'ours tok/s':>11} {'hf tok/s':>10} {'speed-up':>9} {'MFU':>6} "
+        f"{'hf MFU':>7} {'ours mem':>9} {'hf mem':>9}  config",
+        file=out,
+    )
     for r in report["results"]:
-        print(f"{r['family']:<9} {r['precision']:<18} {r['tokens_per_s']:>11.1f} "
-              f"{r['transformers_tokens_per_s']:>10.1f} {r['speedup_vs_transformers']:>8.2f}x {_pct(r['mfu']):>6} "
-              f"{_pct(r['transformers_mfu']):>7} {_gib(r['peak_memory_bytes']):>9} "
-              f"{_gib(r['transformers_peak_memory_bytes']):>9}  {r['config']}", file=out)
+        print(
+            f"{r['family']:<9} {r['precision']:<18} {r['tokens_per_s']:>11.1f} "
+            f"{r['transformers_tokens_per_s']:>10.1f} {r['speedup_vs_transformers']:>8.2f}x {_pct(r['mfu']):>6} "
+            f"{_pct(r['transformers_mfu']):>7} {_gib(r['peak_memory_bytes']):>9} "
+            f"{_gib(r['transformers_peak_memory_bytes']):>9}  {r['config']}",
+            file=out,
+        )
     gen = report.get("generation")
     if isinstance(gen, dict) and "kv_cache" in gen:
-        print(f"generation ({gen['model']}, {gen['new_tokens']} new tokens, {gen['dtype']}): KV cache "
-              f"{gen['kv_cache']['tokens_per_s']:.1f} tok/s, recompute {gen['recompute']['tokens_per_s']:.1f} tok/s, "
-              f"speed-up {gen['speedup']:.1f}x", file=out)
+        print(
+            f"generation ({gen['model']}, {gen['new_tokens']} new tokens, {gen['dtype']}): KV cache "
+            f"{gen['kv_cache']['tokens_per_s']:.1f} tok/s, recompute {gen['recompute']['tokens_per_s']:.1f} tok/s, "
+            f"speed-up {gen['speedup']:.1f}x",
+            file=out,
+        )
     prep = report.get("data_prep")
     if isinstance(prep, dict) and "first_run_mb_per_s" in prep:
-        print(f"data preparation: {prep['first_run_mb_per_s']} MB/s first run ({prep['mb']} MB), "
-              f"reload {prep['reload_speedup']}x faster", file=out)
+        print(
+            f"data preparation: {prep['first_run_mb_per_s']} MB/s first run ({prep['mb']} MB), "
+            f"reload {prep['reload_speedup']}x faster",
+            file=out,
+        )
 
 
 def main(argv=None) -> dict:
@@ -234,8 +265,16 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     start = time.perf_counter()
-    report = {"results": [], "matmul_peak_flops": None, "generation": None, "data_prep": None,
-              "device": device_name(args), "torch": torch.__version__, "mode": args.mode, "targets": TARGETS}
+    report = {
+        "results": [],
+        "matmul_peak_flops": None,
+        "generation": None,
+        "data_prep": None,
+        "device": device_name(args),
+        "torch": torch.__version__,
+        "mode": args.mode,
+        "targets": TARGETS,
+    }
     import transformers
 
     report["transformers"] = transformers.__version__
@@ -247,9 +286,11 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         result = run_family(args, family, peak)
         report["results"].append(result)
-        log(f"{family}: ours {result['tokens_per_s']:.1f} tok/s, transformers "
+        log(
+            f"{family}: ours {result['tokens_per_s']:.1f} tok/s, transformers "
             f"{result['transformers_tokens_per_s']:.1f} tok/s ({result['speedup_vs_transformers']:.2f}x) "
-            f"in {time.perf_counter() - t0:.0f} s")
+            f"in {time.perf_counter() - t0:.0f} s"
+        )
     for _ in range(3):
         peak()
     report["matmul_peak_flops"] = peak.best

@@ -37,13 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lit_transformer.config import load_recipe, model_config  # noqa: E402
 from lit_transformer.model.accounting import train_flops  # noqa: E402
 from lit_transformer.objectives import CausalLM  # noqa: E402
 from lit_transformer.objectives.causal_lm import causal_terms  # noqa: E402
 from lit_transformer.objectives.optim import build_optimizer, make_scheduler, parameter_groups  # noqa: E402
-from lit_transformer.rundir import read_metrics  # noqa: E402
-from lit_transformer.training import keep_freed_memory  # noqa: E402
+from lit_transformer.recipe.load import load_recipe, model_config  # noqa: E402
+from lit_transformer.training.callbacks import keep_freed_memory  # noqa: E402
+from lit_transformer.training.rundir import read_metrics  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
@@ -53,7 +53,7 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
     for _ in range(repeat):
         start = time.perf_counter()
         torch.mm(a, b)
-        best = max(best, 2 * size ** 3 / (time.perf_counter() - start))
+        best = max(best, 2 * size**3 / (time.perf_counter() - start))
     return best
 
 
@@ -98,11 +98,22 @@ def full_path(recipe: str, overrides: list[str], steps: int, root: Path = ROOT) 
     """train/tokens_per_s of `pretrain` run from the source tree `root`."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        args = [sys.executable, "-m", "lit_transformer.cli", "pretrain", str(root / recipe), *overrides,
-                f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps * 10}",
-                f"trainer.checkpoint_every_n_steps={steps * 10}", "trainer.log_every_n_steps=10",
-                "trainer.max_time=null", "generation.enabled=false", "logger.wandb.mode=disabled",
-                f"run.dir={run}"]
+        args = [
+            sys.executable,
+            "-m",
+            "lit_transformer.commands.cli",
+            "pretrain",
+            str(root / recipe),
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"trainer.val_check_interval={steps * 10}",
+            f"trainer.checkpoint_every_n_steps={steps * 10}",
+            "trainer.log_every_n_steps=10",
+            "trainer.max_time=null",
+            "generation.enabled=false",
+            "logger.wandb.mode=disabled",
+            f"run.dir={run}",
+        ]
         env = {**os.environ, "PYTHONPATH": str(root)}
         subprocess.run(args, check=True, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         speeds = [r["train/tokens_per_s"] for r in read_metrics(run) if "train/tokens_per_s" in r]
@@ -111,18 +122,27 @@ def full_path(recipe: str, overrides: list[str], steps: int, root: Path = ROOT) 
 
 def checkout(revision: str, into: Path) -> Path:
     """The tree of git `revision` (a commit, tag or branch) written under `into`."""
-    archive = subprocess.run(["git", "archive", "--format=tar", revision], cwd=ROOT, check=True,
-                             capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", revision], cwd=ROOT, check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
 
 
 def resolved_precision(root: Path, recipe: str, overrides: list[str]) -> str:
     """trainer.precision as the tree at `root` resolves the recipe on this machine."""
-    code = ("import sys; from lit_transformer.config import load_recipe; "
-            "print(load_recipe(sys.argv[1], sys.argv[2:]).trainer.precision)")
-    out = subprocess.run([sys.executable, "-c", code, str(root / recipe), *overrides], cwd=root, check=True,
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    code = (
+        "import sys; from lit_transformer.recipe.load import load_recipe; "
+        "print(load_recipe(sys.argv[1], sys.argv[2:]).trainer.precision)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root / recipe), *overrides],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -152,9 +172,15 @@ def main() -> None:
     peaks: dict = {}
     peak = peak_of(cfg.trainer.precision, peaks)
     bare = bare_loop(cfg, args.steps)
-    out = {"recipe": Path(recipe).stem, "threads": torch.get_num_threads(), "precision": cfg.trainer.precision,
-           "flops_per_token": flops_per_token, "matmul_peak_gflops": peak / 1e9, "bare_tokens_per_s": bare,
-           "bare_mfu": bare * flops_per_token / peak}
+    out = {
+        "recipe": Path(recipe).stem,
+        "threads": torch.get_num_threads(),
+        "precision": cfg.trainer.precision,
+        "flops_per_token": flops_per_token,
+        "matmul_peak_gflops": peak / 1e9,
+        "bare_tokens_per_s": bare,
+        "bare_mfu": bare * flops_per_token / peak,
+    }
     if args.before is None:
         full = full_path(recipe, args.override, args.steps)
     else:
@@ -167,10 +193,18 @@ def main() -> None:
                 afters.append(full_path(recipe, args.override, args.steps))
         full, before = max(afters), max(befores)
         old_peak = peak_of(old_precision, peaks)
-        out.update({"before": args.before, "before_precision": old_precision,
-                    "before_matmul_peak_gflops": old_peak / 1e9, "before_tokens_per_s": before,
-                    "before_mfu": before * flops_per_token / old_peak, "before_runs": befores, "after_runs": afters,
-                    "speedup": full / before})
+        out.update(
+            {
+                "before": args.before,
+                "before_precision": old_precision,
+                "before_matmul_peak_gflops": old_peak / 1e9,
+                "before_tokens_per_s": before,
+                "before_mfu": before * flops_per_token / old_peak,
+                "before_runs": befores,
+                "after_runs": afters,
+                "speedup": full / before,
+            }
+        )
     out.update({"full_tokens_per_s": full, "full_mfu": full * flops_per_token / peak, "overhead": 1 - full / bare})
     if args.json:
         print(json.dumps(out))

@@ -17,7 +17,8 @@ seconds would run it (the learning-rate schedule decays over B):
         [--override extras]
 
 each a child process with its own fresh run directory and one token cache for all of them
-(LIT_TRANSFORMER_CACHE=OUT/cache, so only the first run trains the tokenizer and tokenizes). `bpb` is val/bpb of the run's metrics.json: its final validation, on the
+(LIT_TRANSFORMER_CACHE=OUT/cache, so only the first run trains the tokenizer and tokenizes).
+`bpb` is val/bpb of the run's metrics.json: its final validation, on the
 recipe's validation split of VAL (the tiny recipes cap it with data.max_val_bytes and
 trainer.limit_val_batches; --override data.max_val_bytes=null trainer.limit_val_batches=null
 takes all of it). `wall s` is the child's wall clock from launch to exit: start-up, tokenizer
@@ -74,11 +75,22 @@ RECIPE = REPO / "recipes" / "tiny-clm.yaml"
 WIKITEXT = REPO / ".." / "shared" / "data" / "wikitext2"
 NANOGPT_DATASET = "lit_time_to_quality"
 # nanoGPT README's "I only have a macbook" configuration (CPU, no compile, small model)
-NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-                "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
-QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-             "WANDB_MODE": "disabled"}
+NANOGPT_ARGS = [
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
+QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 EVAL_LINE = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)")
 ITER_LINE = re.compile(r"^iter (\d+): loss ")
 
@@ -104,16 +116,31 @@ def _steps(run_dir: Path) -> int | None:
 def run_ours(budget: float, args, data_overrides: list[str], workdir: Path, env: dict) -> dict:
     run_dir = workdir / f"lit_{budget:g}s"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume
-    overrides = [f"trainer.max_time={budget:g}", "trainer.max_steps=1000000", *data_overrides,
-                 f"run.dir={run_dir}", "logger.wandb.mode=disabled", *args.override]
+    overrides = [
+        f"trainer.max_time={budget:g}",
+        "trainer.max_steps=1000000",
+        *data_overrides,
+        f"run.dir={run_dir}",
+        "logger.wandb.mode=disabled",
+        *args.override,
+    ]
     log = workdir / f"lit_{budget:g}s.log"
     with open(log, "wb") as out:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "lit_transformer.cli", "pretrain", args.recipe, *overrides],
-                              stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.run(
+            [sys.executable, "-m", "lit_transformer.commands.cli", "pretrain", args.recipe, *overrides],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
         wall = time.perf_counter() - t0
-    result = {"budget_s": budget, "wall_s": round(wall, 1), "rc": proc.returncode,
-              "command": f"lit-transformer pretrain {args.recipe} " + " ".join(overrides)}
+    result = {
+        "budget_s": budget,
+        "wall_s": round(wall, 1),
+        "rc": proc.returncode,
+        "command": f"lit-transformer pretrain {args.recipe} " + " ".join(overrides),
+    }
     metrics_file = run_dir / "metrics.json"
     if proc.returncode != 0 or not metrics_file.is_file():
         result["error"] = _tail(log.read_text("utf-8", "replace"))
@@ -145,12 +172,24 @@ def prepare_nanogpt_data(nanogpt: Path, train: Path, val: Path) -> dict:
     np.array([stoi[c] for c in val_text], dtype=np.uint16).tofile(folder / "val.bin")
     with open(folder / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": len(chars), "itos": itos, "stoi": stoi}, f)
-    return {"folder": str(folder), "vocab_size": len(chars), "train_chars": len(train_text),
-            "val_chars": len(val_text), "val_bytes": val.stat().st_size}
+    return {
+        "folder": str(folder),
+        "vocab_size": len(chars),
+        "train_chars": len(train_text),
+        "val_chars": len(val_text),
+        "val_bytes": val.stat().st_size,
+    }
 
 
-def run_nanogpt(nanogpt: Path, budgets: list[float], data: dict, workdir: Path, eval_interval: int,
-                threads: int | None, max_iters: int = 2000) -> dict:
+def run_nanogpt(
+    nanogpt: Path,
+    budgets: list[float],
+    data: dict,
+    workdir: Path,
+    eval_interval: int,
+    threads: int | None,
+    max_iters: int = 2000,
+) -> dict:
     """One nanoGPT run for the largest budget, killed there; its val loss and iterations at each
     budget mark, from its output lines timestamped since launch."""
     out_dir = workdir / "nanogpt_out"
@@ -160,17 +199,24 @@ def run_nanogpt(nanogpt: Path, budgets: list[float], data: dict, workdir: Path, 
     # the README's 2000 iterations end in well under 5 minutes on 2 cores: --nanogpt-max-iters
     # scales max_iters (and the cosine decay with it) to fill a budget
     iters = [f"--max_iters={max_iters}", f"--lr_decay_iters={max_iters}"]
-    cmd = [sys.executable, "train.py", *[a for a in NANOGPT_ARGS if not a.startswith(("--max_iters", "--lr_decay"))],
-           *iters, f"--dataset={NANOGPT_DATASET}",
-           f"--eval_interval={eval_interval}", f"--out_dir={out_dir}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *[a for a in NANOGPT_ARGS if not a.startswith(("--max_iters", "--lr_decay"))],
+        *iters,
+        f"--dataset={NANOGPT_DATASET}",
+        f"--eval_interval={eval_interval}",
+        f"--out_dir={out_dir}",
+    ]
     limit = max(budgets)
     lines: list[tuple[float, str]] = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # every line as it is printed, for its timestamp
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op threads (train.py never sets them)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                            text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd, cwd=nanogpt, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, errors="replace"
+    )
 
     def read():
         for line in proc.stdout:
@@ -201,10 +247,16 @@ def run_nanogpt(nanogpt: Path, budgets: list[float], data: dict, workdir: Path, 
             t, step, loss = before[-1]
             row.update(val_loss=loss, bpb=loss / math.log(2) / bytes_per_char, eval_step=step, eval_at_s=round(t, 1))
         marks.append(row)
-    result = {"command": "python train.py " + " ".join(cmd[2:]), "cwd": str(nanogpt), "threads": threads,
-              "rc": proc.returncode,
-              "killed_at_budget": killed, "ended_s": round(ended, 1), "marks": marks,
-              "first_eval_at_s": round(evals[0][0], 1) if evals else None}
+    result = {
+        "command": "python train.py " + " ".join(cmd[2:]),
+        "cwd": str(nanogpt),
+        "threads": threads,
+        "rc": proc.returncode,
+        "killed_at_budget": killed,
+        "ended_s": round(ended, 1),
+        "marks": marks,
+        "first_eval_at_s": round(evals[0][0], 1) if evals else None,
+    }
     if not killed and proc.returncode != 0:
         result["error"] = _tail("\n".join(line for _, line in lines))
     return result
@@ -218,22 +270,40 @@ def _fmt(value, spec: str, width: int) -> str:
 
 
 def main() -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__[__doc__.index("Text:"):])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__[__doc__.index("Text:") :],
+    )
     parser.add_argument("--recipe", default=str(RECIPE.relative_to(REPO)), help="default recipes/tiny-clm.yaml")
     parser.add_argument("--train", help="training text file (default: WikiText-2 test.txt)")
     parser.add_argument("--val", help="validation text file (default: WikiText-2 valid.txt)")
     parser.add_argument("--budgets", default="60,120,300", help="training budgets in seconds, comma-separated")
     parser.add_argument("--nanogpt", help="a nanoGPT checkout: run its CPU configuration beside ours")
-    parser.add_argument("--nanogpt-max-iters", type=int, default=2000,
-                        help="nanoGPT's max_iters and lr_decay_iters (the README's CPU configuration: 2000)")
-    parser.add_argument("--nanogpt-eval-interval", type=int, default=50,
-                        help="nanoGPT's --eval_interval: iterations between its evaluations (default 50)")
-    parser.add_argument("--nanogpt-threads", type=int,
-                        help="OMP_NUM_THREADS for nanoGPT (default: unset, torch's default of one per core)")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a further recipe override for our runs (repeatable)")
+    parser.add_argument(
+        "--nanogpt-max-iters",
+        type=int,
+        default=2000,
+        help="nanoGPT's max_iters and lr_decay_iters (the README's CPU configuration: 2000)",
+    )
+    parser.add_argument(
+        "--nanogpt-eval-interval",
+        type=int,
+        default=50,
+        help="nanoGPT's --eval_interval: iterations between its evaluations (default 50)",
+    )
+    parser.add_argument(
+        "--nanogpt-threads",
+        type=int,
+        help="OMP_NUM_THREADS for nanoGPT (default: unset, torch's default of one per core)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a further recipe override for our runs (repeatable)",
+    )
     parser.add_argument("--out", help="work folder: runs, caches, logs (default: a temporary folder, removed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the table goes to stderr)")
     args = parser.parse_args()
@@ -261,15 +331,24 @@ def main() -> dict:
     tmp = None if args.out else tempfile.TemporaryDirectory(prefix="time_to_quality_")
     workdir = Path(args.out or tmp.name).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, **QUIET_ENV, LIT_TRANSFORMER_CACHE=str(workdir / "cache"),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        **QUIET_ENV,
+        LIT_TRANSFORMER_CACHE=str(workdir / "cache"),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     data_overrides = [f"data.train_files=[{train}]", f"data.val_files=[{val}]"] if have_files else []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     recipe_name = os.path.relpath(args.recipe, REPO)
     try:
-        say(f"text       train {train if have_files else 'the recipe corpus'}"
-            + (f" ({train.stat().st_size / 1e6:.2f} MB), val {val} ({val.stat().st_size / 1e6:.2f} MB)"
-               if have_files else ""))
+        say(
+            f"text       train {train if have_files else 'the recipe corpus'}"
+            + (
+                f" ({train.stat().st_size / 1e6:.2f} MB), val {val} ({val.stat().st_size / 1e6:.2f} MB)"
+                if have_files
+                else ""
+            )
+        )
         say(f"machine    {cores} cores, load average {os.getloadavg()[0]:.2f}")
         ours = []
         for budget in budgets:
@@ -280,22 +359,35 @@ def main() -> dict:
         theirs = None
         if nanogpt:
             data = prepare_nanogpt_data(nanogpt, train, val)
-            say(f"nanoGPT    {data['folder']}: vocabulary {data['vocab_size']} characters, val "
-                f"{data['val_chars']:,} characters in {data['val_bytes']:,} bytes; running {max(budgets):g} s")
-            theirs = run_nanogpt(nanogpt, budgets, data, workdir, args.nanogpt_eval_interval, args.nanogpt_threads,
-                                 args.nanogpt_max_iters)
+            say(
+                f"nanoGPT    {data['folder']}: vocabulary {data['vocab_size']} characters, val "
+                f"{data['val_chars']:,} characters in {data['val_bytes']:,} bytes; running {max(budgets):g} s"
+            )
+            theirs = run_nanogpt(
+                nanogpt,
+                budgets,
+                data,
+                workdir,
+                args.nanogpt_eval_interval,
+                args.nanogpt_threads,
+                args.nanogpt_max_iters,
+            )
             theirs["data"] = data
             if "error" in theirs:
                 say(f"nanoGPT    fails (exit {theirs['rc']}):\n{theirs['error']}")
 
         say("")
         say(f"{'':>8} | {'lit-transformer ' + recipe_name:<28}" + (" | nanoGPT, CPU configuration" if theirs else ""))
-        say(f"{'budget s':>8} | {'val bpb':>9} {'wall s':>8} {'steps':>9}"
-            + (f" | {'val bpb':>9} {'iters':>7} {'eval at':>18}" if theirs else ""))
+        say(
+            f"{'budget s':>8} | {'val bpb':>9} {'wall s':>8} {'steps':>9}"
+            + (f" | {'val bpb':>9} {'iters':>7} {'eval at':>18}" if theirs else "")
+        )
         for i, budget in enumerate(budgets):
             o = ours[i]
-            row = f"{budget:>8g} | {_fmt(o.get('bpb'), '.4f', 9)} {_fmt(o.get('wall_s'), '.1f', 8)} " \
-                  f"{_fmt(o.get('steps'), 'd', 9)} |"
+            row = (
+                f"{budget:>8g} | {_fmt(o.get('bpb'), '.4f', 9)} {_fmt(o.get('wall_s'), '.1f', 8)} "
+                f"{_fmt(o.get('steps'), 'd', 9)} |"
+            )
             if theirs is not None:
                 m = theirs["marks"][i]
                 at = f"step {m['eval_step']}, {m['eval_at_s']:.0f} s" if "eval_step" in m else "-"
@@ -310,19 +402,35 @@ def main() -> dict:
                 f"nanoGPT: one run of {max(budgets):g} s timed from launch, start-up and its evaluations "
                 f"(every {args.nanogpt_eval_interval} iterations) included; bpb at the last evaluation before "
                 "each mark (val loss / ln 2 * characters / bytes of VAL)",
-                f"nanoGPT: max_iters={args.nanogpt_max_iters} may end it before a mark (then its final evaluation stands); this run "
-                + (f"was killed at {max(budgets):g} s" if theirs["killed_at_budget"]
-                   else f"ended by itself at {theirs['ended_s']:.0f} s"),
-                "threads: nanoGPT " + (f"OMP_NUM_THREADS={args.nanogpt_threads}" if args.nanogpt_threads
-                                       else "torch's default (one per core)")
+                f"nanoGPT: max_iters={args.nanogpt_max_iters} may end it before a mark "
+                "(then its final evaluation stands); this run "
+                + (
+                    f"was killed at {max(budgets):g} s"
+                    if theirs["killed_at_budget"]
+                    else f"ended by itself at {theirs['ended_s']:.0f} s"
+                ),
+                "threads: nanoGPT "
+                + (
+                    f"OMP_NUM_THREADS={args.nanogpt_threads}"
+                    if args.nanogpt_threads
+                    else "torch's default (one per core)"
+                )
                 + ", ours the recipe's trainer.num_threads",
             ]
         for note in notes:
             say(f"note       {note}")
-        result = {"recipe": recipe_name, "train": str(train) if have_files else None,
-                  "val": str(val) if have_files else None, "budgets_s": budgets, "cores": cores,
-                  "load_average_1min": round(os.getloadavg()[0], 2), "overrides": args.override,
-                  "ours": ours, "nanogpt": theirs, "notes": notes}
+        result = {
+            "recipe": recipe_name,
+            "train": str(train) if have_files else None,
+            "val": str(val) if have_files else None,
+            "budgets_s": budgets,
+            "cores": cores,
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            "overrides": args.override,
+            "ours": ours,
+            "nanogpt": theirs,
+            "notes": notes,
+        }
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -1,10 +1,13 @@
 """The user errors that several layers raise, each shown as one line (`error: ...`, exit 2).
 
-A leaf: it imports nothing from the package. The bottom layers keep their own error types
-(`model.config.ConfigError`, `data.errors.DataError`), since they import nothing from above.
+A leaf: it imports nothing from the package, so every layer may import it. The bottom layers
+keep their own error types (`model.config.ConfigError`, `data.errors.DataError`) and share the
+message helpers below.
 """
 
 from __future__ import annotations
+
+import difflib
 
 
 class RecipeError(ValueError):
@@ -13,3 +16,16 @@ class RecipeError(ValueError):
 
 class RunError(ValueError):
     """A run directory, checkpoint or model source cannot be used; the message says why."""
+
+
+def closest(name: object, valid) -> str:
+    """' (did you mean `x`?)' for the nearest valid name, or '' when nothing is close."""
+    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.5)
+    return f" (did you mean `{match[0]}`?)" if match else ""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): the part
+    of a third-party error that fits in our one-line messages."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.rundir import read_metrics
+from lit_transformer.training.rundir import read_metrics
 
 V = 99  # odd tiny vocabulary: a transposed axis crashes instead of broadcasting
 
@@ -47,8 +47,17 @@ def private_cache(monkeypatch, tmp_path_factory):
 
 def tiny_config(arch: str = "decoder", **overrides) -> TransformerConfig:
     """An odd-sized tiny model config (test files import it: `from conftest import tiny_config`)."""
-    values = dict(arch=arch, vocab_size=V, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32,
-                  relative_buckets=8, relative_max_distance=16)
+    values = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=24,
+        n_heads=3,
+        n_layers=2,
+        d_ff=37,
+        max_seq_len=32,
+        relative_buckets=8,
+        relative_max_distance=16,
+    )
     return TransformerConfig(**{**values, **overrides})
 
 

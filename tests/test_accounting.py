@@ -11,12 +11,17 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lit_transformer.commands.info import format_info, info, load_model_config
 from lit_transformer.errors import RecipeError
-from lit_transformer.info import format_info, info, load_model_config
 from lit_transformer.model import PRESETS, ConfigError, LanguageModel, Transformer, TransformerConfig, preset
 from lit_transformer.model.accounting import (
-    count_parameters, cross_kv_cache_bytes_per_source_token, kv_cache_bytes_per_token, non_embedding_parameters,
-    parameter_breakdown, train_flops, train_flops_per_token,
+    count_parameters,
+    cross_kv_cache_bytes_per_source_token,
+    kv_cache_bytes_per_token,
+    non_embedding_parameters,
+    parameter_breakdown,
+    train_flops,
+    train_flops_per_token,
 )
 
 # Every value of every field that changes which parameters exist or their shapes.
@@ -41,8 +46,17 @@ GRID = {
 def small_config(**fields) -> TransformerConfig:
     if fields.get("arch") != "encoder_decoder":
         fields["n_decoder_layers"] = None
-    return TransformerConfig(vocab_size=99, d_model=24, n_heads=6, n_layers=2, d_ff=37, max_seq_len=13,
-                             relative_buckets=8, relative_max_distance=20, **fields)
+    return TransformerConfig(
+        vocab_size=99,
+        d_model=24,
+        n_heads=6,
+        n_layers=2,
+        d_ff=37,
+        max_seq_len=13,
+        relative_buckets=8,
+        relative_max_distance=20,
+        **fields,
+    )
 
 
 def grid_configs() -> list[TransformerConfig]:
@@ -64,9 +78,14 @@ def test_grid_covers_every_selector_value():
     # If a Literal grows a value, the grid must grow with it.
     from lit_transformer.model import config as config_module
 
-    for field, literal in [("arch", config_module.Arch), ("position", config_module.Position),
-                           ("norm", config_module.Norm), ("norm_position", config_module.NormPosition),
-                           ("activation", config_module.Activation), ("lm_head", config_module.LMHead)]:
+    for field, literal in [
+        ("arch", config_module.Arch),
+        ("position", config_module.Position),
+        ("norm", config_module.Norm),
+        ("norm_position", config_module.NormPosition),
+        ("activation", config_module.Activation),
+        ("lm_head", config_module.LMHeadKind),
+    ]:
         assert set(GRID[field]) == set(get_args(literal)), field
 
 
@@ -82,8 +101,9 @@ def test_parameter_count_equals_built_model_for_presets(name):
     assert sum(parameter_breakdown(cfg).values()) == count_parameters(cfg)
 
 
-@pytest.mark.parametrize("name, attention_modules", [("gpt2-small", 12), ("t5-base", 12 + 2 * 12),
-                                                     ("tinyllama-1.1b", 22)])
+@pytest.mark.parametrize(
+    "name, attention_modules", [("gpt2-small", 12), ("t5-base", 12 + 2 * 12), ("tinyllama-1.1b", 22)]
+)
 def test_parameter_count_with_qk_norm_equals_built_model(name, attention_modules):
     cfg = preset(name, qk_norm=True)
     assert count_parameters(cfg) == built_parameters(cfg)
@@ -104,8 +124,14 @@ def test_non_embedding_parameters_are_the_blocks():
 # Published sizes: Vaswani et al. 2017 Table 3; Devlin et al. 2019; Radford et al. 2019;
 # Raffel et al. 2020; Brown et al. 2020 Table 2.1; TinyLlama; Touvron et al. 2023.
 PUBLISHED = {
-    "transformer-base": 65e6, "transformer-big": 213e6, "bert-base": 110e6, "gpt2-small": 124e6,
-    "t5-base": 220e6, "tinyllama-1.1b": 1.1e9, "llama2-70b": 70e9, "gpt3-175b": 175e9,
+    "transformer-base": 65e6,
+    "transformer-big": 213e6,
+    "bert-base": 110e6,
+    "gpt2-small": 124e6,
+    "t5-base": 220e6,
+    "tinyllama-1.1b": 1.1e9,
+    "llama2-70b": 70e9,
+    "gpt3-175b": 175e9,
 }
 
 
@@ -129,17 +155,39 @@ def test_gpt3_flops_are_dominated_by_6n():
 
 MEASURED = {
     "gpt2-like": dict(arch="decoder", position="learned", activation="gelu_tanh"),
-    "llama-like": dict(arch="decoder", position="rope", norm="rmsnorm", activation="swiglu", n_kv_heads=2,
-                       bias=False, tie_embeddings=False),
+    "llama-like": dict(
+        arch="decoder",
+        position="rope",
+        norm="rmsnorm",
+        activation="swiglu",
+        n_kv_heads=2,
+        bias=False,
+        tie_embeddings=False,
+    ),
     "alibi-mqa": dict(arch="decoder", position="alibi", n_kv_heads=1, head_dim=6),
-    "bert-like": dict(arch="encoder", norm_position="post", embedding_norm=True, type_vocab_size=2,
-                      lm_head="bert_mlm"),
-    "t5-like": dict(arch="encoder_decoder", position="t5_relative", norm="rmsnorm", bias=False, head_dim=6,
-                    n_decoder_layers=3, n_kv_heads=3, activation="geglu_tanh", tie_embeddings=False),
+    "bert-like": dict(arch="encoder", norm_position="post", embedding_norm=True, type_vocab_size=2, lm_head="bert_mlm"),
+    "t5-like": dict(
+        arch="encoder_decoder",
+        position="t5_relative",
+        norm="rmsnorm",
+        bias=False,
+        head_dim=6,
+        n_decoder_layers=3,
+        n_kv_heads=3,
+        activation="geglu_tanh",
+        tie_embeddings=False,
+    ),
     "vaswani-like": dict(arch="encoder_decoder", position="sinusoidal", norm_position="post", activation="relu"),
     # QK-norm and relu2 are elementwise: they add no matrix-product FLOPs
-    "speedrun-like": dict(arch="encoder_decoder", position="rope", norm="rmsnorm", qk_norm=True, activation="relu2",
-                          bias=False, n_kv_heads=2),
+    "speedrun-like": dict(
+        arch="encoder_decoder",
+        position="rope",
+        norm="rmsnorm",
+        qk_norm=True,
+        activation="relu2",
+        bias=False,
+        n_kv_heads=2,
+    ),
 }
 
 
@@ -218,8 +266,10 @@ def test_info_for_recipe_with_preset_and_overrides(tmp_path):
     """A recipe is read as every command reads it: the vocabulary is the tokenizer's unless
     model.vocab_size is set, and key=value overrides apply."""
     path = tmp_path / "gpt-tiny.yaml"
-    path.write_text("objective:\n  name: clm\nmodel:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n"
-                    "  n_heads: 3\n  max_seq_len: 77\ntrainer:\n  max_steps: 5\n")
+    path.write_text(
+        "objective:\n  name: clm\nmodel:\n  preset: gpt2-small\n  n_layers: 3\n  d_model: 96\n"
+        "  n_heads: 3\n  max_seq_len: 77\ntrainer:\n  max_steps: 5\n"
+    )
     d = info(str(path), ["tokenizer.vocab_size=5000", "data.block_size=64"])
     cfg = preset("gpt2-small", n_layers=3, d_model=96, n_heads=3, max_seq_len=77, vocab_size=5000)
     assert d["name"] == "gpt-tiny" and d["preset"] == "gpt2-small"
@@ -230,8 +280,10 @@ def test_info_for_recipe_with_preset_and_overrides(tmp_path):
 
 def test_info_for_recipe_without_preset(tmp_path):
     path = tmp_path / "t5ish.yaml"
-    path.write_text("objective:\n  name: span\nmodel:\n  arch: encoder_decoder\n  vocab_size: 99\n  d_model: 24\n"
-                    "  n_heads: 6\n  n_layers: 2\n  d_ff: 37\n  max_seq_len: 13\n  position: t5_relative\n")
+    path.write_text(
+        "objective:\n  name: span\nmodel:\n  arch: encoder_decoder\n  vocab_size: 99\n  d_model: 24\n"
+        "  n_heads: 6\n  n_layers: 2\n  d_ff: 37\n  max_seq_len: 13\n  position: t5_relative\n"
+    )
     d = info(str(path), decoder_seq_len=5)
     assert d["preset"] is None and d["decoder_seq_len"] == 5
     assert d["cross_kv_cache_bytes_per_source_token"] == 2 * 2 * 6 * 4 * 2

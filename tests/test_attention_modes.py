@@ -23,8 +23,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(arch="decoder", position="rope", **kw) -> TransformerConfig:
-    values = dict(arch=arch, vocab_size=V, d_model=32, n_heads=4, n_layers=2, d_ff=64, max_seq_len=64,
-                  position=position, relative_buckets=8, relative_max_distance=16)
+    values = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=32,
+        n_heads=4,
+        n_layers=2,
+        d_ff=64,
+        max_seq_len=64,
+        position=position,
+        relative_buckets=8,
+        relative_max_distance=16,
+    )
     return TransformerConfig(**{**values, **kw})
 
 
@@ -82,8 +92,9 @@ def test_prefix_zero_is_causal_and_equals_none(impl):
         assert torch.all(dep[:, future] == 0), f"prefix {prefix}: a position sees the future"
         assert torch.all(dep[:, ~future] > 0)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, prefix_lengths=torch.zeros(B, dtype=torch.long)), model(ids),
-                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            model(ids, prefix_lengths=torch.zeros(B, dtype=torch.long)), model(ids), atol=1e-6, rtol=1e-6
+        )
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
@@ -129,7 +140,7 @@ def test_mixed_batch_equals_rows_alone(position):
     with torch.no_grad():
         batched = model(ids, mask, prefix_lengths=prefix)  # (B, T, V)
         for row, n in enumerate(lengths):
-            alone = model(ids[row:row + 1, :n], prefix_lengths=prefix[row:row + 1])  # (1, n, V)
+            alone = model(ids[row : row + 1, :n], prefix_lengths=prefix[row : row + 1])  # (1, n, V)
             torch.testing.assert_close(batched[row, :n], alone[0], atol=1e-5, rtol=1e-5)
         # the modes matter: the bidirectional row differs from its causal reading
         causal = model(ids[2:3, :4])
@@ -158,7 +169,7 @@ def left_padded_prompts(lengths=(7, 4, 6), seed: int = 1):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for row, n in enumerate(lengths):
-        ids[row, width - n:], mask[row, width - n:] = tokens[row, :n], 1
+        ids[row, width - n :], mask[row, width - n :] = tokens[row, :n], 1
     return ids, mask
 
 
@@ -168,8 +179,9 @@ def test_bidirectional_prompt_first_step_reads_whole_prompt(position):
     model = build(config(position=position, init_std=0.2))
     ids, mask = left_padded_prompts()
     with torch.no_grad():
-        reference = model(ids, mask, position_ids=positions_from_mask(mask),
-                          prefix_lengths=torch.full((B,), T))[:, -1]  # (B, V)
+        reference = model(ids, mask, position_ids=positions_from_mask(mask), prefix_lengths=torch.full((B,), T))[
+            :, -1
+        ]  # (B, V)
         causal = model(ids, mask, position_ids=positions_from_mask(mask))[:, -1]
     for use_cache in (True, False):
         step = StepDecoder(model, ids, mask, max_new_tokens=4, use_cache=use_cache, bidirectional_prompt=True)
@@ -181,11 +193,14 @@ def test_bidirectional_prompt_first_step_reads_whole_prompt(position):
 def test_bidirectional_prompt_cache_equals_recomputation(position):
     model = build(config(position=position, init_std=0.2))
     ids, mask = left_padded_prompts()
-    cached, recomputed = (generate(model, ids, mask, max_new_tokens=8, use_cache=use, bidirectional_prompt=True)
-                          for use in (True, False))
+    cached, recomputed = (
+        generate(model, ids, mask, max_new_tokens=8, use_cache=use, bidirectional_prompt=True) for use in (True, False)
+    )
     assert torch.equal(cached, recomputed)
-    beams = [generate(model, ids, mask, max_new_tokens=6, num_beams=3, use_cache=use, bidirectional_prompt=True)
-             for use in (True, False)]
+    beams = [
+        generate(model, ids, mask, max_new_tokens=6, num_beams=3, use_cache=use, bidirectional_prompt=True)
+        for use in (True, False)
+    ]
     assert torch.equal(*beams)
 
 
@@ -204,8 +219,7 @@ def test_causal_prompt_unchanged():
     ids, mask = left_padded_prompts()
     plain = generate(model, ids, mask, max_new_tokens=8)
     assert torch.equal(generate(model, ids, mask, max_new_tokens=8, bidirectional_prompt=False), plain)
-    assert torch.equal(generate(model, ids, mask, max_new_tokens=8, bidirectional_prompt=False, use_cache=False),
-                       plain)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=8, bidirectional_prompt=False, use_cache=False), plain)
 
 
 def test_bidirectional_prompt_ignored_by_encoder_decoder():
@@ -218,10 +232,13 @@ def test_bidirectional_prompt_ignored_by_encoder_decoder():
 # ----------------------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("options,named", [
-    (dict(sliding_window=3), "model.sliding_window"),
-    (dict(attention_kind="linear"), "model.attention_kind='linear'"),
-])
+@pytest.mark.parametrize(
+    "options,named",
+    [
+        (dict(sliding_window=3), "model.sliding_window"),
+        (dict(attention_kind="linear"), "model.attention_kind='linear'"),
+    ],
+)
 def test_refuses_efficient_attention(options, named):
     model = build(config(**options))
     ids = torch.randint(0, V, (B, T))

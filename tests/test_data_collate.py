@@ -5,16 +5,24 @@ import pytest
 import torch
 
 from lit_transformer.data import stdlib
-from lit_transformer.data.collate import (IGNORE_INDEX, CLMCollator, ClassifyCollator, MLMCollator,
-                                          Seq2SeqCollator, batch_generator, example_generators,
-                                          word_start_table)
-from lit_transformer.data.config import TokenizerConfig
+from lit_transformer.data.collate import (
+    IGNORE_INDEX,
+    ClassifyCollator,
+    CLMCollator,
+    MLMCollator,
+    Seq2SeqCollator,
+    batch_generator,
+    example_generators,
+    word_start_table,
+)
+from lit_transformer.data.settings import TokenizerConfig
 from lit_transformer.data.span import SpanCorruptionCollator, span_lengths
 from lit_transformer.data.tokenizer import SpecialTokens, train_tokenizer
 
 V = 99  # odd vocabulary so a transposed axis fails loudly
-SPECIAL = SpecialTokens(pad_id=0, unk_id=1, bos_id=2, eos_id=3, cls_id=4, sep_id=5, mask_id=6,
-                        sentinel_ids=tuple(range(98, 48, -1)))  # T5 style: descending ids
+SPECIAL = SpecialTokens(
+    pad_id=0, unk_id=1, bos_id=2, eos_id=3, cls_id=4, sep_id=5, mask_id=6, sentinel_ids=tuple(range(98, 48, -1))
+)  # T5 style: descending ids
 
 
 def _blocks(n, length, seed=0):
@@ -171,8 +179,9 @@ def _reconstruct(inputs, labels, sentinels, eos):
 @pytest.mark.parametrize("block_size", [8, 31, 64, 128, 512])
 def test_span_corruption_exact_lengths_and_reconstruction(block_size):
     lengths = span_lengths(block_size)
-    collator = SpanCorruptionCollator(block_size=block_size, sentinel_ids=SPECIAL.sentinel_ids, eos_id=3,
-                                      decoder_start_id=0)
+    collator = SpanCorruptionCollator(
+        block_size=block_size, sentinel_ids=SPECIAL.sentinel_ids, eos_id=3, decoder_start_id=0
+    )
     rng = np.random.default_rng(block_size)
     blocks = [rng.integers(7, 48, size=lengths.raw_length) for _ in range(5)]
     batch = collator(blocks, torch.Generator().manual_seed(block_size))
@@ -209,11 +218,15 @@ def test_seq2seq_collator():
 
 @pytest.mark.parametrize("task", ["single_label", "multi_label", "regression"])
 def test_classify_collator_label_types(task):
-    labels = {"single_label": [np.int64(2), np.int64(0)],
-              "multi_label": [np.array([1.0, 0.0, 1.0]), np.array([0.0, 1.0, 0.0])],
-              "regression": [np.float32(0.5), np.float32(-1.25)]}[task]
-    ex = [{"ids": np.array([4, 10, 5, 11, 5]), "type_ids": np.array([0, 0, 0, 1, 1]), "label": labels[0]},
-          {"ids": np.array([4, 12, 5]), "type_ids": np.array([0, 0, 0]), "label": labels[1]}]
+    labels = {
+        "single_label": [np.int64(2), np.int64(0)],
+        "multi_label": [np.array([1.0, 0.0, 1.0]), np.array([0.0, 1.0, 0.0])],
+        "regression": [np.float32(0.5), np.float32(-1.25)],
+    }[task]
+    ex = [
+        {"ids": np.array([4, 10, 5, 11, 5]), "type_ids": np.array([0, 0, 0, 1, 1]), "label": labels[0]},
+        {"ids": np.array([4, 12, 5]), "type_ids": np.array([0, 0, 0]), "label": labels[1]},
+    ]
     batch = ClassifyCollator(special=SPECIAL, task=task)(ex)
     assert batch["input_ids"].tolist() == [[4, 10, 5, 11, 5], [4, 12, 5, 0, 0]]
     assert batch["token_type_ids"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]]

@@ -6,11 +6,11 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from lit_transformer.data.config import DataConfig, TokenizerConfig, from_dict
 from lit_transformer.data.corpus import build_sources
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
 from lit_transformer.data.prepare import build
+from lit_transformer.data.settings import DataConfig, TokenizerConfig, from_dict
 
 TOK = TokenizerConfig(vocab_size=300, num_sentinels=0, min_frequency=1)
 
@@ -72,7 +72,9 @@ def test_too_little_text_for_one_block(tmp_path):
 def test_missing_column_lists_available(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"body": f"x {i}", "label": 1}) + "\n" for i in range(5)))
-    with pytest.raises(DataError, match=r"no column 'text' \(data.text_column\); available columns: \['body', 'label'\]"):
+    with pytest.raises(
+        DataError, match=r"no column 'text' \(data.text_column\); available columns: \['body', 'label'\]"
+    ):
         run(lm_cfg(tmp_path, [path]))
 
 
@@ -89,8 +91,9 @@ def test_validation_labels_absent_from_training(tmp_path):
 def test_misaligned_source_target(tmp_path):
     (tmp_path / "a.en").write_text("one\ntwo\nthree\n")
     (tmp_path / "a.de").write_text("eins\nzwei\n")
-    cfg = DataConfig(source_files=[str(tmp_path / "a.en")], target_files=[str(tmp_path / "a.de")],
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        source_files=[str(tmp_path / "a.en")], target_files=[str(tmp_path / "a.de")], cache_dir=str(tmp_path / "cache")
+    )
     with pytest.raises(DataError, match=r"misaligned seq2seq files: .*a.en has 3 lines but .*a.de has 2"):
         run(cfg, "seq2seq")
 
@@ -104,8 +107,9 @@ def test_plain_text_for_classification(tmp_path):
 def test_invalid_utf8_replaced_and_counted(tmp_path):
     (tmp_path / "u.txt").write_bytes(b"caf\xe9 ok\nbad \xff\xfe bytes\nfine \xef\xbf\xbd already\n")
     stats = ReadStats()
-    docs = list(build_sources(lm_cfg(tmp_path, [tmp_path / "u.txt"], text_format="lines"), "clm")["train"]
-                .iterate(stats))
+    docs = list(
+        build_sources(lm_cfg(tmp_path, [tmp_path / "u.txt"], text_format="lines"), "clm")["train"].iterate(stats)
+    )
     assert docs[0] == "caf\ufffd ok" and docs[1] == "bad \ufffd\ufffd bytes"
     assert stats.replaced_chars == 3  # the U+FFFD written in the file is not counted
 

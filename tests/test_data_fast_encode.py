@@ -14,10 +14,19 @@ from tokenizers import Regex, pre_tokenizers
 
 from lit_transformer.data import fast_encode, pack, stdlib
 from lit_transformer.data.collate import word_start_table
-from lit_transformer.data.config import TokenizerConfig
 from lit_transformer.data.fast_encode import WordEncoder
-from lit_transformer.data.tokenizer import (BYTE_LEVEL_PATTERN, SpecialTokens, _OTHER, _SPACE, byte_level_pre_tokenizer,
-                                            load_tokenizer, tokenizer_from_str, tokenizer_kind, train_tokenizer)
+from lit_transformer.data.settings import TokenizerConfig
+from lit_transformer.data.tokenizer import (
+    _OTHER,
+    _SPACE,
+    BYTE_LEVEL_PATTERN,
+    SpecialTokens,
+    byte_level_pre_tokenizer,
+    load_tokenizer,
+    tokenizer_from_str,
+    tokenizer_kind,
+    train_tokenizer,
+)
 
 SEP = 7  # any id: the separator is a virtual word of the encoder
 
@@ -86,14 +95,17 @@ def test_ascii_text_splits_exactly_like_gpt2():
     assert byte_level_pre_tokenizer().pre_tokenize_str(text) == gpt2.pre_tokenize_str(text)
 
 
-@pytest.mark.parametrize("text,words", [
-    ("a\u00a0b", ["a", "\u00a0", "b"]),  # NBSP is a space, as in GPT-2
-    ("中文。世界、「引用」", ["中文", "。", "世界", "、「", "引用", "」"]),  # CJK punctuation splits, as in GPT-2
-    ("say “hi” — ok", ["say", " “", "hi", "”", " —", " ok"]),
-    ("e\u0301t\u00e9", ["e\u0301t\u00e9"]),  # a combining accent stays in its word (GPT-2 splits it off)
-    ("   word", ["  ", " word"]),  # \s+(?!\S): the last space goes to the word
-    ("x\u3000\u3000y", ["x", "\u3000", "\u3000", "y"]),  # ... only an ASCII space joins a word
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("a\u00a0b", ["a", "\u00a0", "b"]),  # NBSP is a space, as in GPT-2
+        ("中文。世界、「引用」", ["中文", "。", "世界", "、「", "引用", "」"]),  # CJK punctuation splits, as in GPT-2
+        ("say “hi” — ok", ["say", " “", "hi", "”", " —", " ok"]),
+        ("e\u0301t\u00e9", ["e\u0301t\u00e9"]),  # a combining accent stays in its word (GPT-2 splits it off)
+        ("   word", ["  ", " word"]),  # \s+(?!\S): the last space goes to the word
+        ("x\u3000\u3000y", ["x", "\u3000", "\u3000", "y"]),  # ... only an ASCII space joins a word
+    ],
+)
 def test_hand_made_splits(text, words):
     assert re.findall(BYTE_LEVEL_PATTERN, text) == words
 
@@ -122,7 +134,7 @@ def test_word_table_reset_keeps_ids_exact(bpe):
     resets, reset = [], enc._reset
     enc._reset = lambda: resets.append(len(enc.index)) or reset()
     for i in range(0, len(lines), 40):
-        chunk = lines[i:i + 40]
+        chunk = lines[i : i + 40]
         flat, lengths = enc.encode(chunk)
         want_flat, want_lengths = expected(bpe, chunk)
         np.testing.assert_array_equal(flat, want_flat)
@@ -130,11 +142,65 @@ def test_word_table_reset_keeps_ids_exact(bpe):
     assert len(resets) >= 3 and min(resets) > 200
 
 
-SNIPPETS = ["\x1c", "\x1d", "\x1e", "\x1f", "\x85", "\xa0", "\u2028", "\u2029", "\u3000", "\u0301", "\u0308",
-            "😀", "👍🏽", "👨\u200d👩\u200d👧", "٣", "४", "１", "²", "½", "\t", "\r\n", "\r", "\n", " " * 7,
-            "\t \t", "'s", "'re", "'LL", "n't", "'", "</s>", "<mask>", "<extra_id_0>", "<pad>", "<s>", "[CLS]",
-            "<|endoftext|>", "。", "、", "「", "—", "“", "\x00", "\x7f", "\x9f", "\ufeff", "\U0010ffff",
-            "\U000e0001", "\U0001f3fb", " ", "a", "Z", "0", "9", "!", "«", "»"]
+SNIPPETS = [
+    "\x1c",
+    "\x1d",
+    "\x1e",
+    "\x1f",
+    "\x85",
+    "\xa0",
+    "\u2028",
+    "\u2029",
+    "\u3000",
+    "\u0301",
+    "\u0308",
+    "😀",
+    "👍🏽",
+    "👨\u200d👩\u200d👧",
+    "٣",
+    "४",
+    "１",
+    "²",
+    "½",
+    "\t",
+    "\r\n",
+    "\r",
+    "\n",
+    " " * 7,
+    "\t \t",
+    "'s",
+    "'re",
+    "'LL",
+    "n't",
+    "'",
+    "</s>",
+    "<mask>",
+    "<extra_id_0>",
+    "<pad>",
+    "<s>",
+    "[CLS]",
+    "<|endoftext|>",
+    "。",
+    "、",
+    "「",
+    "—",
+    "“",
+    "\x00",
+    "\x7f",
+    "\x9f",
+    "\ufeff",
+    "\U0010ffff",
+    "\U000e0001",
+    "\U0001f3fb",
+    " ",
+    "a",
+    "Z",
+    "0",
+    "9",
+    "!",
+    "«",
+    "»",
+]
 piece = st.one_of(st.sampled_from(SNIPPETS), st.text(st.characters(exclude_categories=("Cs",)), max_size=6))
 document = st.lists(piece, max_size=12).map("".join)
 
@@ -147,8 +213,16 @@ def test_same_ids_on_arbitrary_unicode(bpe, docs):
 
 def test_same_ids_on_many_random_strings_from_all_planes(bpe):
     rng = random.Random(1234)
-    planes = [(0, 0x80), (0x80, 0x800), (0x800, 0xD800), (0xE000, 0x10000), (0x10000, 0x20000), (0x20000, 0x40000),
-              (0xE0000, 0xE0080), (0xF0000, 0x110000)]
+    planes = [
+        (0, 0x80),
+        (0x80, 0x800),
+        (0x800, 0xD800),
+        (0xE000, 0x10000),
+        (0x10000, 0x20000),
+        (0x20000, 0x40000),
+        (0xE0000, 0xE0080),
+        (0xF0000, 0x110000),
+    ]
     docs = []
     for _ in range(1500):
         parts = []
@@ -215,7 +289,9 @@ def _variant(tokenizer, edit):
 def test_fast_path_is_taken_only_for_the_exact_shape(bpe, monkeypatch):
     calls = []
     real = fast_encode.WordEncoder.encode
-    monkeypatch.setattr(fast_encode.WordEncoder, "encode", lambda self, docs: calls.append(len(docs)) or real(self, docs))
+    monkeypatch.setattr(
+        fast_encode.WordEncoder, "encode", lambda self, docs: calls.append(len(docs)) or real(self, docs)
+    )
     docs = _texts(20_000)
     list(pack.encode_documents(pack.fast_copy(bpe), docs, SEP))
     assert sum(calls) == len(docs)
@@ -223,22 +299,36 @@ def test_fast_path_is_taken_only_for_the_exact_shape(bpe, monkeypatch):
     gpt2_style = tokenizer_from_str(bpe.to_str())
     gpt2_style.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     other_pattern = tokenizer_from_str(bpe.to_str())
-    other_pattern.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN + "|x"), "isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    other_pattern.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN + "|x"), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     variants = {
         "gpt2 ByteLevel(use_regex=True)": gpt2_style,
         "other pattern": other_pattern,
         "dropout": _variant(bpe, lambda d: d["model"].update(dropout=0.1)),
         "normalizer": _variant(bpe, lambda d: d.update(normalizer={"type": "NFC"})),
-        "post-processor": _variant(bpe, lambda d: d.update(post_processor={
-            "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False})),
+        "post-processor": _variant(
+            bpe,
+            lambda d: d.update(
+                post_processor={
+                    "type": "ByteLevel",
+                    "add_prefix_space": False,
+                    "trim_offsets": True,
+                    "use_regex": False,
+                }
+            ),
+        ),
         # reloaded, as prepare.py does: a freshly trained Unigram can break ties between
         # equal-score segmentations ("\n\n" + "\n" or "\n" + "\n\n") unlike its own JSON copy
-        "wordpiece": tokenizer_from_str(train_tokenizer(_texts(60_000), TokenizerConfig(kind="wordpiece",
-                                                                                       vocab_size=700)).to_str()),
-        "unigram": tokenizer_from_str(train_tokenizer(_texts(60_000), TokenizerConfig(kind="unigram",
-                                                                                     vocab_size=700)).to_str()),
+        "wordpiece": tokenizer_from_str(
+            train_tokenizer(_texts(60_000), TokenizerConfig(kind="wordpiece", vocab_size=700)).to_str()
+        ),
+        "unigram": tokenizer_from_str(
+            train_tokenizer(_texts(60_000), TokenizerConfig(kind="unigram", vocab_size=700)).to_str()
+        ),
     }
     calls.clear()
     for name, tok in variants.items():

@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from lit_transformer.data import stdlib
-from lit_transformer.data.config import DataConfig, TokenizerConfig
 from lit_transformer.data.module import TextDataModule
 from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
 
 TOK = TokenizerConfig(vocab_size=600, num_sentinels=20)
 
 
 def lm_cfg(tmp_path, **kw):
-    base = dict(cache_dir=str(tmp_path / "cache"), max_train_bytes=150_000, max_val_bytes=30_000, block_size=32,
-                batch_size=8)
+    base = dict(
+        cache_dir=str(tmp_path / "cache"), max_train_bytes=150_000, max_val_bytes=30_000, block_size=32, batch_size=8
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -140,8 +141,15 @@ def test_lightning_checkpoint_resume_sees_the_same_batches(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cfg = lm_cfg(tmp_path, max_train_bytes=10_000, batch_size=16)
-    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=2, val_check_interval=3, num_sanity_val_steps=1)
+    common = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=2,
+        val_check_interval=3,
+        num_sanity_val_steps=1,
+    )
     dm = TextDataModule(cfg, TOK, "mlm", seed=5)
     full = Recorder()
     L.Trainer(max_steps=12, enable_checkpointing=False, **common).fit(full, datamodule=dm)
@@ -156,7 +164,8 @@ def test_lightning_checkpoint_resume_sees_the_same_batches(tmp_path):
     assert saved["TextDataModule"]["batches"] == 4
     rest = Recorder()
     L.Trainer(max_steps=12, enable_checkpointing=False, **common).fit(
-        rest, datamodule=TextDataModule(cfg, TOK, "mlm", seed=5), ckpt_path=str(path))
+        rest, datamodule=TextDataModule(cfg, TOK, "mlm", seed=5), ckpt_path=str(path)
+    )
     assert part.seen == full.seen[:4]
     assert rest.seen == full.seen[4:]
 
@@ -200,9 +209,12 @@ def test_embedded_classification_task(tmp_path):
         correct += max(score, key=score.get) == ex["label"]
     assert correct / len(splits["test"]) > 0.5
 
-    dm = TextDataModule(DataConfig(cache_dir=str(tmp_path / "cache"), batch_size=16, max_length=64),
-                        TokenizerConfig(kind="wordpiece", vocab_size=2000, num_sentinels=0), "classify",
-                        run_dir=str(tmp_path / "run"))
+    dm = TextDataModule(
+        DataConfig(cache_dir=str(tmp_path / "cache"), batch_size=16, max_length=64),
+        TokenizerConfig(kind="wordpiece", vocab_size=2000, num_sentinels=0),
+        "classify",
+        run_dir=str(tmp_path / "run"),
+    )
     dm.prepare_data()
     dm.setup()
     assert dm.num_labels == 8 and dm.label_names == labels
@@ -217,9 +229,11 @@ def test_embedded_seq2seq_task(tmp_path):
     assert len(splits["train"]) > 1000 and len(splits["validation"]) > 50
     assert not {e["source"] for e in splits["train"]} & {e["source"] for e in splits["validation"]}
     assert all(re.fullmatch(r"\w+", e["target"]) for e in splits["train"])
-    dm = TextDataModule(DataConfig(cache_dir=str(tmp_path / "cache"), batch_size=4, max_length=24,
-                                   max_target_length=8),
-                        TokenizerConfig(kind="unigram", vocab_size=1500, num_sentinels=0), "seq2seq")
+    dm = TextDataModule(
+        DataConfig(cache_dir=str(tmp_path / "cache"), batch_size=4, max_length=24, max_target_length=8),
+        TokenizerConfig(kind="unigram", vocab_size=1500, num_sentinels=0),
+        "seq2seq",
+    )
     dm.prepare_data()
     dm.setup()
     batch = next(iter(dm.train_dataloader()))

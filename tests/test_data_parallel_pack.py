@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from lit_transformer.data import pack, stdlib
-from lit_transformer.data.config import TokenizerConfig
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.fast_encode import WordEncoder
+from lit_transformer.data.settings import TokenizerConfig
 from lit_transformer.data.tokenizer import tokenizer_from_str, train_tokenizer
 
 SEP = 5  # any id: the separator is appended, not looked up
@@ -79,6 +79,7 @@ def _children() -> set[int]:
 def deadline(seconds):
     def expire(*_):
         raise TimeoutError(f"no answer within {seconds} s")
+
     old = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)
     try:
@@ -101,7 +102,9 @@ def _spy(monkeypatch, log, on_batch=None):
             with open(log, "a") as f:
                 f.write(f"{os.getpid()}\n")
             return encode(batch)
+
         return spied
+
     monkeypatch.setattr(pack, "batch_encoder", wrapped)
 
 
@@ -162,8 +165,19 @@ def test_write_lm_doc_starts_match(tokenizers, docs, small_batches, tmp_path):
     entries = []
     for num_proc in (1, 3):
         with CacheWriter(tmp_path, f"k{num_proc}") as writer:
-            entries.append(pack.write_lm(iter(docs), tok, special, writer, ReadStats(documents=len(docs)),
-                                         block_len=31, stride=31, describe="train split", num_proc=num_proc))
+            entries.append(
+                pack.write_lm(
+                    iter(docs),
+                    tok,
+                    special,
+                    writer,
+                    ReadStats(documents=len(docs)),
+                    block_len=31,
+                    stride=31,
+                    describe="train split",
+                    num_proc=num_proc,
+                )
+            )
     one, three = entries
     for name in ("tokens", "doc_starts"):
         np.testing.assert_array_equal(np.asarray(three[name]), np.asarray(one[name]), err_msg=name)
@@ -177,6 +191,7 @@ def test_auto_is_serial_for_a_small_corpus_then_switches(tokenizers, docs, small
 
     def no_pool(*a, **k):
         raise AssertionError("the pool started for a small corpus")
+
     monkeypatch.setattr(pack, "pooled_batches", no_pool)
     assert sum(map(len, docs)) < pack.SWITCH_CHARS
     got = _run(tok, docs, None)
@@ -207,6 +222,7 @@ def test_the_parent_reads_ahead_only_a_few_batches(tokenizers, monkeypatch):
         while True:
             read.append(1)
             yield "one more document, always the same"
+
     before = _children()
     gen = pack.encode_documents(pack.fast_copy(tokenizers["bpe"]), endless(), SEP, num_proc=2)
     with deadline(30):
@@ -221,6 +237,7 @@ def test_a_worker_error_keeps_its_type_and_message(tokenizers, docs, small_batch
     def fail(batch):
         if MARK in batch:
             raise DataError(f"bad document in a batch of {len(batch)}")
+
     _spy(monkeypatch, tmp_path / "pids", fail)
     bad = docs[:200] + [MARK] + docs[200:]
     size = next(len(b) for b in pack.text_batches(bad) if MARK in b)
@@ -236,11 +253,19 @@ def test_a_dead_worker_is_a_data_error_not_a_hang(tokenizers, docs, small_batche
     def die(batch):
         if MARK in batch:
             os._exit(3)  # as the OOM killer would: no exception, no result
+
     _spy(monkeypatch, tmp_path / "pids", die)
     before = _children()
     with deadline(60), pytest.raises(DataError, match="train split: a tokenizer process .* died"):
-        list(pack.encode_documents(pack.fast_copy(tokenizers["bpe"]), iter(docs[:100] + [MARK] + docs[100:]), SEP,
-                                   num_proc=2, describe="train split"))
+        list(
+            pack.encode_documents(
+                pack.fast_copy(tokenizers["bpe"]),
+                iter(docs[:100] + [MARK] + docs[100:]),
+                SEP,
+                num_proc=2,
+                describe="train split",
+            )
+        )
     assert _children() <= before
 
 
@@ -249,10 +274,12 @@ def test_ctrl_c_leaves_no_process_behind(tokenizers, docs, small_batches, monkey
     def stuck(batch):
         if MARK in batch:
             time.sleep(600)  # a worker busy with a huge batch: Ctrl-C must not wait for it
+
     _spy(monkeypatch, tmp_path / "pids", stuck)
     before = _children()
-    gen = pack.encode_documents(pack.fast_copy(tokenizers["bpe"]), iter(docs[:300] + [MARK] + docs[300:]), SEP,
-                                num_proc=3)
+    gen = pack.encode_documents(
+        pack.fast_copy(tokenizers["bpe"]), iter(docs[:300] + [MARK] + docs[300:]), SEP, num_proc=3
+    )
     ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # only this process, as in a terminal
     t0 = time.perf_counter()
     try:
@@ -271,6 +298,7 @@ def test_an_error_while_reading_stops_the_pool(tokenizers, docs, small_batches):
     def unreadable():
         yield from docs[:300]
         raise DataError("corpus.txt: not UTF-8")  # files.py's errors come from the parent's reading
+
     before = _children()
     with deadline(60), pytest.raises(DataError, match="corpus.txt: not UTF-8"):
         list(pack.encode_documents(pack.fast_copy(tokenizers["bpe"]), unreadable(), SEP, num_proc=2))
@@ -278,8 +306,8 @@ def test_an_error_while_reading_stops_the_pool(tokenizers, docs, small_batches):
 
 
 def test_num_proc_is_not_in_the_cache_key_and_prepare_passes_it(tmp_path, small_batches, monkeypatch):
-    from lit_transformer.data.config import DataConfig
     from lit_transformer.data.prepare import build
+    from lit_transformer.data.settings import DataConfig
 
     tok_cfg = TokenizerConfig(vocab_size=333, num_sentinels=3)
     small = dict(max_train_bytes=60_000, max_val_bytes=20_000, block_size=17)

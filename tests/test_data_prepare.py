@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from lit_transformer.data import pack
-from lit_transformer.data.config import DataConfig, TokenizerConfig
 from lit_transformer.data.corpus import build_sources
 from lit_transformer.data.files import ReadStats
 from lit_transformer.data.prepare import build, prepare
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
 
 prep = importlib.import_module("lit_transformer.data.prepare")  # the package exports a function of that name
 
@@ -29,6 +29,7 @@ TOK = TokenizerConfig(vocab_size=600, num_sentinels=20)
 def forbid(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("tokenized or trained on a cache hit")
+
     monkeypatch.setattr(prep, "_write_split", boom)
     monkeypatch.setattr(prep, "train_tokenizer", boom)
     monkeypatch.setattr(pack, "encode_documents", boom)
@@ -91,8 +92,9 @@ def test_interrupted_prepare_leaves_no_entry(tmp_path, monkeypatch):
 def test_packing_keeps_every_token_and_marks_documents(tmp_path):
     docs = [f"document {i}: " + "word " * (i % 7) + "é😀\n  indented\r\n" for i in range(300)]
     (tmp_path / "corpus.txt").write_text("\n\n".join(docs), encoding="utf-8")
-    cfg = DataConfig(train_files=[str(tmp_path / "corpus.txt")], val_fraction=0.0, block_size=16,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        train_files=[str(tmp_path / "corpus.txt")], val_fraction=0.0, block_size=16, cache_dir=str(tmp_path / "cache")
+    )
     p = build(cfg, TokenizerConfig(vocab_size=400, num_sentinels=0, min_frequency=1), "clm")
     entry = p.entries["train"]
     tokens = np.asarray(entry["tokens"])
@@ -132,8 +134,13 @@ def _write_tables(tmp_path, rows):
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    paths = {"jsonl": tmp_path / "d.jsonl", "csv": tmp_path / "d.csv", "tsv": tmp_path / "d.tsv",
-             "parquet": tmp_path / "d.parquet", "json": tmp_path / "d.json"}
+    paths = {
+        "jsonl": tmp_path / "d.jsonl",
+        "csv": tmp_path / "d.csv",
+        "tsv": tmp_path / "d.tsv",
+        "parquet": tmp_path / "d.parquet",
+        "json": tmp_path / "d.json",
+    }
     df.to_json(paths["jsonl"], orient="records", lines=True)
     df.to_csv(paths["csv"], index=False)
     df.to_csv(paths["tsv"], index=False, sep="\t")
@@ -144,16 +151,28 @@ def _write_tables(tmp_path, rows):
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "tsv", "parquet"])
 def test_table_formats_for_each_kind(tmp_path, fmt):
-    rows = [{"text": f"sentence number {i}", "other": f"pair {i}", "label": ["neg", "pos"][i % 2],
-             "source": f"source {i}", "target": f"target {i}"} for i in range(40)]
+    rows = [
+        {
+            "text": f"sentence number {i}",
+            "other": f"pair {i}",
+            "label": ["neg", "pos"][i % 2],
+            "source": f"source {i}",
+            "target": f"target {i}",
+        }
+        for i in range(40)
+    ]
     path = _write_tables(tmp_path, rows)[fmt]
     lm = list(build_sources(DataConfig(train_files=[str(path)], val_fraction=0), "mlm")["train"].iterate(ReadStats()))
     assert lm == [r["text"] for r in rows]
-    cl = list(build_sources(DataConfig(train_files=[str(path)], val_fraction=0, text_pair_column="other"),
-                            "classify")["train"].iterate(ReadStats()))
+    cl = list(
+        build_sources(DataConfig(train_files=[str(path)], val_fraction=0, text_pair_column="other"), "classify")[
+            "train"
+        ].iterate(ReadStats())
+    )
     assert cl[3] == ("sentence number 3", "pair 3", "pos")
-    s2s = list(build_sources(DataConfig(train_files=[str(path)], val_fraction=0), "seq2seq")["train"]
-               .iterate(ReadStats()))
+    s2s = list(
+        build_sources(DataConfig(train_files=[str(path)], val_fraction=0), "seq2seq")["train"].iterate(ReadStats())
+    )
     assert s2s[5] == ("source 5", "target 5")
 
 
@@ -171,10 +190,21 @@ def test_holdout_split_is_disjoint_and_stable(tmp_path):
 def test_classification_labels_json_and_pairs_use_post_processor(tmp_path):
     rows = [{"a": f"first {i}", "b": f"second {i}", "label": i % 3} for i in range(60)]
     path = _write_tables(tmp_path, rows)["jsonl"]
-    cfg = DataConfig(train_files=[str(path)], val_files=[str(path)], text_column="a", text_pair_column="b",
-                     cache_dir=str(tmp_path / "cache"), max_length=12)
-    out = prepare(cfg, TokenizerConfig(kind="wordpiece", vocab_size=200, num_sentinels=0, min_frequency=1),
-                  "classify", tmp_path / "run", print_fn=None)
+    cfg = DataConfig(
+        train_files=[str(path)],
+        val_files=[str(path)],
+        text_column="a",
+        text_pair_column="b",
+        cache_dir=str(tmp_path / "cache"),
+        max_length=12,
+    )
+    out = prepare(
+        cfg,
+        TokenizerConfig(kind="wordpiece", vocab_size=200, num_sentinels=0, min_frequency=1),
+        "classify",
+        tmp_path / "run",
+        print_fn=None,
+    )
     assert json.loads((tmp_path / "run" / "labels.json").read_text()) == {"task": "single_label", "labels": [0, 1, 2]}
     assert out["label_names"] == [0, 1, 2]
     p = build(cfg, TokenizerConfig(kind="wordpiece", vocab_size=200, num_sentinels=0, min_frequency=1), "classify")
@@ -185,17 +215,28 @@ def test_classification_labels_json_and_pairs_use_post_processor(tmp_path):
 
 
 def test_multi_label_and_regression(tmp_path):
-    rows = [{"text": f"example {i}", "tags": [["a"], ["b", "c"], ["a", "c"]][i % 3], "score": i / 10}
-            for i in range(30)]
+    rows = [
+        {"text": f"example {i}", "tags": [["a"], ["b", "c"], ["a", "c"]][i % 3], "score": i / 10} for i in range(30)
+    ]
     path = _write_tables(tmp_path, rows)["jsonl"]
     tok = TokenizerConfig(vocab_size=400, num_sentinels=0, min_frequency=1)
-    cfg = DataConfig(train_files=[str(path)], label_column="tags", task="multi_label", val_fraction=0,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        train_files=[str(path)],
+        label_column="tags",
+        task="multi_label",
+        val_fraction=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     p = build(cfg, tok, "classify")
     assert p.label_names == ["a", "b", "c"]
     assert pack.RaggedExamples(p.entries["train"])[1]["label"].tolist() == [0.0, 1.0, 1.0]
-    cfg = DataConfig(train_files=[str(path)], label_column="score", task="regression", val_fraction=0,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        train_files=[str(path)],
+        label_column="score",
+        task="regression",
+        val_fraction=0,
+        cache_dir=str(tmp_path / "cache"),
+    )
     p = build(cfg, tok, "classify")
     assert float(pack.RaggedExamples(p.entries["train"])[7]["label"]) == pytest.approx(0.7)
 
@@ -203,8 +244,13 @@ def test_multi_label_and_regression(tmp_path):
 def test_aligned_seq2seq_files(tmp_path):
     (tmp_path / "train.en").write_text("".join(f"hello {i}\n" for i in range(50)), encoding="utf-8")
     (tmp_path / "train.de").write_text("".join(f"hallo {i}\n" for i in range(50)), encoding="utf-8")
-    cfg = DataConfig(source_files=[str(tmp_path / "train.en")], target_files=[str(tmp_path / "train.de")],
-                     val_fraction=0.1, cache_dir=str(tmp_path / "cache"), max_length=4)
+    cfg = DataConfig(
+        source_files=[str(tmp_path / "train.en")],
+        target_files=[str(tmp_path / "train.de")],
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+        max_length=4,
+    )
     p = build(cfg, TokenizerConfig(kind="unigram", vocab_size=120, num_sentinels=0), "seq2seq")
     n = len(p.entries["train"]["source_offsets"]) - 1 + len(p.entries["validation"]["source_offsets"]) - 1
     assert n == 50

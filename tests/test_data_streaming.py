@@ -6,13 +6,15 @@ import tracemalloc
 import pytest
 import torch
 
-from lit_transformer.data.config import DataConfig, TokenizerConfig
 from lit_transformer.data.module import TextDataModule
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
 from lit_transformer.data.streaming import pack_stream
 
 TOK = TokenizerConfig(vocab_size=500, num_sentinels=20, max_train_bytes=100_000)
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
-         "tau upsilon phi chi psi omega stream token block batch memory corpus").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
+    "tau upsilon phi chi psi omega stream token block batch memory corpus"
+).split()
 
 
 def write_corpus(path, n_bytes, seed=0):
@@ -27,8 +29,16 @@ def write_corpus(path, n_bytes, seed=0):
 
 
 def stream_cfg(tmp_path, files, **kw):
-    base = dict(train_files=[str(f) for f in files], text_format="lines", cache_dir=str(tmp_path / "cache"),
-                block_size=32, batch_size=8, streaming=True, shuffle_buffer=64, val_fraction=0.01)
+    base = dict(
+        train_files=[str(f) for f in files],
+        text_format="lines",
+        cache_dir=str(tmp_path / "cache"),
+        block_size=32,
+        batch_size=8,
+        streaming=True,
+        shuffle_buffer=64,
+        val_fraction=0.01,
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -92,8 +102,10 @@ def test_streaming_resume_and_shards(tmp_path):
     resumed.setup()
     rest = list(resumed.train_dataloader())
     assert len(rest) == len(full) - 3
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
-               for x, y in zip(rest, full[3:]))
+    assert all(
+        torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
+        for x, y in zip(rest, full[3:])
+    )
 
     rows = []
     for rank in range(2):

@@ -7,10 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_transformer.data import stdlib
-from lit_transformer.data.config import TokenizerConfig
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.tokenizer import (SpecialTokens, check_tokenizer, load_tokenizer, save_tokenizer,
-                                            train_tokenizer)
+from lit_transformer.data.settings import TokenizerConfig
+from lit_transformer.data.tokenizer import (
+    SpecialTokens,
+    check_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 
 def _texts(n_bytes=300_000):
@@ -28,12 +33,27 @@ def minilm_path():
 
 
 ROUND_TRIP = [
-    "", " ", "  leading spaces", "trailing spaces   ", "tabs\tand\ttabs", "windows\r\nline\r\nendings\r\n",
-    "emoji 😀👍🏽 family 👨‍👩‍👧", "CJK 中文字符 日本語テキスト 한국어", "combining e\u0301 a\u0308 n\u0303",
-    "RTL עברית العربية", "zero width \u200b\u200d joiner", "\x00 nul and \x7f del", "math ∑∫√∞ ≠ ≤",
-    "text with </s> and <mask> and <extra_id_0> written out", "\n\n\nnewlines only\n", "\ufeffbom",
-    "nbsp\u00a0ideographic\u3000space 。、「引用」 “quotes” — dash", "\x1c\x1d\x1e\x1f \x85\u2028\u2029 separators",
-    "C1 \x80\x9f and \U0010ffff \U000e0001 planes", "  \t \r\n   runs   of\t\twhitespace  ", "it's 'LL ’s",
+    "",
+    " ",
+    "  leading spaces",
+    "trailing spaces   ",
+    "tabs\tand\ttabs",
+    "windows\r\nline\r\nendings\r\n",
+    "emoji 😀👍🏽 family 👨‍👩‍👧",
+    "CJK 中文字符 日本語テキスト 한국어",
+    "combining e\u0301 a\u0308 n\u0303",
+    "RTL עברית العربية",
+    "zero width \u200b\u200d joiner",
+    "\x00 nul and \x7f del",
+    "math ∑∫√∞ ≠ ≤",
+    "text with </s> and <mask> and <extra_id_0> written out",
+    "\n\n\nnewlines only\n",
+    "\ufeffbom",
+    "nbsp\u00a0ideographic\u3000space 。、「引用」 “quotes” — dash",
+    "\x1c\x1d\x1e\x1f \x85\u2028\u2029 separators",
+    "C1 \x80\x9f and \U0010ffff \U000e0001 planes",
+    "  \t \r\n   runs   of\t\twhitespace  ",
+    "it's 'LL ’s",
 ]
 
 

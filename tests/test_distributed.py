@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_transformer.config import load_recipe
-from lit_transformer.runner import train
+from lit_transformer.commands.train import train
+from lit_transformer.recipe.load import load_recipe
 
 pytestmark = pytest.mark.distributed
 
@@ -35,21 +35,41 @@ STEPS = 3
 # Tiny and deterministic: no dropout anywhere (each rank seeds its own dropout draws), a high
 # learning rate without warmup so that a wrong update shows in the next step's loss.
 COMMON = [
-    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000", "data.block_size=24", "data.max_length=24", "data.max_target_length=12",
-    "model.d_model=24", "model.n_heads=2", "model.d_ff=40", "model.n_layers=1", "model.dropout=0.0",
-    "finetune.head_dropout=0.0", "optim.lr=1e-2", "optim.warmup_steps=0", f"trainer.max_steps={STEPS}",
-    "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "trainer.precision=32-true",
-    "trainer.num_threads=1", "trainer.accelerator=cpu", "logger.wandb.mode=disabled",
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.max_length=24",
+    "data.max_target_length=12",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.dropout=0.0",
+    "finetune.head_dropout=0.0",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    f"trainer.max_steps={STEPS}",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.num_threads=1",
+    "trainer.accelerator=cpu",
+    "logger.wandb.mode=disabled",
     # validation after every step, with sample generation (clm, span, seq2seq) and BLEU decoding
     # (seq2seq): under FSDP2 both run on gathered weights, and training must go on unchanged
-    "trainer.val_check_interval=1", "generation.enabled=true", "generation.num_prompts=2",
-    "generation.max_new_tokens=5", "objective.bleu=true", "objective.bleu_batches=1",
+    "trainer.val_check_interval=1",
+    "generation.enabled=true",
+    "generation.num_prompts=2",
+    "generation.max_new_tokens=5",
+    "objective.bleu=true",
+    "objective.bleu_batches=1",
 ]
 
 # Rows of the global batch with padding removed, as the model saw them: MLM and span corruption
 # rows include their masks and sentinels, which must not depend on the rank.
-_RECORD = r'''
+_RECORD = r"""
 import json
 from pathlib import Path
 
@@ -83,13 +103,15 @@ class StopAt(Callback):
     def on_train_batch_end(self, trainer, *args):
         if trainer.global_step >= self.step:
             trainer.should_stop = True
-'''
+"""
 
-_SCRIPT = _RECORD + r'''
+_SCRIPT = (
+    _RECORD
+    + r"""
 import sys
 
-from lit_transformer.config import load_recipe
-from lit_transformer.runner import train
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.commands.train import train
 
 strategy, out, recipes, common = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
 objectives, extra = json.loads(sys.argv[5]), json.loads(sys.argv[6])
@@ -102,7 +124,8 @@ if strategy == "fsdp":  # stop after step 1, resume from the sharded checkpoint
     train(load_recipe(recipes / "tiny-clm.yaml", args), callbacks=[StopAt(1)], progress_bar=False)
     cfg = load_recipe(recipes / "tiny-clm.yaml", [*args, "resume=auto"])
     train(cfg, callbacks=[Record(out / "resumed" / "record")], progress_bar=False)
-'''
+"""
+)
 
 
 def _free_port() -> int:
@@ -126,8 +149,10 @@ def single(tmp_path_factory, cache) -> Path:
     os.environ["LIT_TRANSFORMER_CACHE"] = str(cache)
     try:
         for name in OBJECTIVES:
-            cfg = load_recipe(RECIPES / f"tiny-{name}.yaml",
-                              [*COMMON, *EXTRA.get(name, []), "data.batch_size=6", f"run.dir={out / name}"])
+            cfg = load_recipe(
+                RECIPES / f"tiny-{name}.yaml",
+                [*COMMON, *EXTRA.get(name, []), "data.batch_size=6", f"run.dir={out / name}"],
+            )
             train(cfg, callbacks=[namespace["Record"](out / name / "record")], progress_bar=False)
     finally:
         if before is None:
@@ -140,10 +165,25 @@ def single(tmp_path_factory, cache) -> Path:
 def _two_processes(strategy: str, out: Path, cache: Path) -> Path:
     script = out / "run.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, LIT_TRANSFORMER_CACHE=str(cache), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    command = [sys.executable, str(script), strategy, str(out), str(RECIPES), json.dumps(COMMON),
-               json.dumps(OBJECTIVES), json.dumps(EXTRA)]
+    env = dict(
+        os.environ,
+        LIT_TRANSFORMER_CACHE=str(cache),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        HF_HUB_OFFLINE="1",
+    )
+    command = [
+        sys.executable,
+        str(script),
+        strategy,
+        str(out),
+        str(RECIPES),
+        json.dumps(COMMON),
+        json.dumps(OBJECTIVES),
+        json.dumps(EXTRA),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=out, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]
     return out
@@ -222,7 +262,7 @@ def test_ranks_see_disjoint_halves_of_the_global_batch(request, strategy, object
 
 def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, single):
     from lit_transformer import load_pretrained
-    from lit_transformer.inference import evaluate, export, generate
+    from lit_transformer.commands.inference import evaluate, export, generate
 
     run = fsdp / "resumed"
     shards = run / "checkpoints" / f"step-{STEPS}.ckpt"  # save_top_k=1 kept the newest
@@ -245,13 +285,14 @@ def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, s
     from_final = evaluate(str(run), max_batches=1)
     assert from_shards["loss"] == pytest.approx(from_final["loss"], abs=1e-6)
     assert generate(str(last), "def", greedy=True, max_new_tokens=4) == generate(
-        str(run), "def", greedy=True, max_new_tokens=4)
+        str(run), "def", greedy=True, max_new_tokens=4
+    )
 
 
 def test_fsdp_strategy_and_16_mixed_refused_on_cpu(tmp_path):
-    from lit_transformer.distributed import FSDP2Strategy
     from lit_transformer.errors import RecipeError
-    from lit_transformer.training import build_strategy
+    from lit_transformer.training.distributed import FSDP2Strategy
+    from lit_transformer.training.trainer import build_strategy
 
     clm = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.strategy=fsdp", f"run.dir={tmp_path}"])
     assert isinstance(build_strategy(clm), FSDP2Strategy)
@@ -265,7 +306,7 @@ def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):
     a sharded last.ckpt and a one-file checkpoint (the one-process run's, every weight + 1, so that
     the two differ) equals the mean of their weights."""
     from lit_transformer import load_pretrained
-    from lit_transformer.averaging import average_state_dicts
+    from lit_transformer.commands.average import average_state_dicts
 
     shifted = torch.load(single / "clm" / "checkpoints" / "last.ckpt", weights_only=True)
     shifted["state_dict"] = {k: v + 1 if v.is_floating_point() else v for k, v in shifted["state_dict"].items()}
@@ -284,12 +325,12 @@ def test_materialize_allocates_only_the_meta_tensors():
     """FSDP2's meta-built module is materialised in place; tensors that are already real, like
     torchmetrics' running sums and the defaults its reset() restores, must be left alone: once
     replaced by uninitialised memory, an FSDP run's validation loss began at garbage (inf or NaN
-    in some runs of tests/test_matrix.py, depending on what the allocator returned)."""
+    in some runs of tests/test_option_pairs.py, depending on what the allocator returned)."""
     from torch import nn
 
-    from lit_transformer.distributed import materialize
     from lit_transformer.model import LanguageModel, TransformerConfig
     from lit_transformer.objectives.metrics import TokenAverage
+    from lit_transformer.training.distributed import materialize
 
     cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32)
     holder = nn.Module()

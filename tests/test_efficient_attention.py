@@ -14,8 +14,13 @@ from lit_transformer.model.attention import RollingKVCache, attend
 from lit_transformer.model.config import ConfigError
 from lit_transformer.model.generate import generate
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.model.linear_attention import (LinearMask, causal_chunked, causal_recurrent, feature_map,
-                                                    linear_attention)
+from lit_transformer.model.linear_attention import (
+    LinearMask,
+    causal_chunked,
+    causal_recurrent,
+    feature_map,
+    linear_attention,
+)
 from lit_transformer.model.masks import chunked_attention, document_bounds, flex_block_mask, interval_mask
 
 POSITIONS = ["rope", "learned", "sinusoidal", "alibi", "t5_relative"]
@@ -44,8 +49,11 @@ def banded_reference(T: int, w: int, causal: bool, g: int = 0) -> torch.Tensor:
 
 def qkv(B=3, H=3, K=3, T=37, D=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, T, D, generator=g), torch.randn(B, K, T, D, generator=g),
-            torch.randn(B, K, T, D, generator=g))
+    return (
+        torch.randn(B, H, T, D, generator=g),
+        torch.randn(B, K, T, D, generator=g),
+        torch.randn(B, K, T, D, generator=g),
+    )
 
 
 def reference_attention(q, k, v, keep, scale):
@@ -97,8 +105,9 @@ def test_blocked_computation_equals_the_dense_mask(causal, global_tokens):
     q, k, v = qkv(K=1, T=53)
     key_mask = torch.ones(3, 53, dtype=torch.bool)
     key_mask[1, 40:] = False
-    mask = interval_mask(torch.arange(53), 53, causal=causal, window=5, key_mask=key_mask,
-                         global_tokens=0 if causal else global_tokens)
+    mask = interval_mask(
+        torch.arange(53), 53, causal=causal, window=5, key_mask=key_mask, global_tokens=0 if causal else global_tokens
+    )
     keep = banded_reference(53, 5, causal, 0 if causal else global_tokens) & key_mask[:, None, None, :]
     expected = reference_attention(q, k, v, keep, 0.3)
     got = chunked_attention(q, k, v, mask, scale=0.3, dropout=0.0, size=8)
@@ -144,7 +153,7 @@ def test_the_rolling_cache_stays_at_w_entries_while_decoding():
     with torch.no_grad():
         lm.transformer.decode(ids[:, :8], cache=cache)
         for t in range(8, 60):
-            lm.transformer.decode(ids[:, t:t + 1], cache=cache)
+            lm.transformer.decode(ids[:, t : t + 1], cache=cache)
             assert cache.keys.shape == shape
     assert shape[3] == 5 and cache.length == 60
     assert sorted(cache.slot_index.tolist()) == list(range(55, 60))
@@ -182,8 +191,8 @@ def test_every_packed_document_gets_the_logits_it_gets_alone(arch, position):
     packed = lm(ids, document_ids=doc)
     start = 0
     for n in lengths:
-        alone = lm(ids[:, start:start + n])
-        torch.testing.assert_close(packed[:, start:start + n], alone, rtol=1e-5, atol=1e-5)
+        alone = lm(ids[:, start : start + n])
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-5, atol=1e-5)
         start += n
 
 
@@ -223,8 +232,10 @@ def test_separators_give_the_token_stores_document_boundaries(tmp_path):
 
         def __init__(self):
             docs = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
-            self.arrays = {"tokens": np.concatenate([d + [2] for d in docs]),
-                           "doc_starts": np.cumsum([0] + [len(d) + 1 for d in docs[:-1]])}
+            self.arrays = {
+                "tokens": np.concatenate([d + [2] for d in docs]),
+                "doc_starts": np.cumsum([0] + [len(d) + 1 for d in docs[:-1]]),
+            }
 
         def __getitem__(self, key):
             return self.arrays[key]
@@ -285,26 +296,50 @@ def test_a_linear_encoder_ignores_padding():
 def test_sliding_window_logits_match_mistral():
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.MistralConfig(
-        vocab_size=V, hidden_size=24, intermediate_size=37, num_hidden_layers=2, num_attention_heads=3,
-        num_key_value_heads=1, head_dim=8, max_position_embeddings=64, sliding_window=5, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, attn_implementation="eager",
+        vocab_size=V,
+        hidden_size=24,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     hf = transformers.MistralForCausalLM(hf_cfg).eval()
-    ours = LanguageModel(tiny_config(
-        position="rope", norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False, n_kv_heads=1,
-        head_dim=8, max_seq_len=64, sliding_window=5, rope_base=hf_cfg.rope_parameters["rope_theta"],
-    )).eval()
+    ours = LanguageModel(
+        tiny_config(
+            position="rope",
+            norm="rmsnorm",
+            activation="swiglu",
+            bias=False,
+            tie_embeddings=False,
+            n_kv_heads=1,
+            head_dim=8,
+            max_seq_len=64,
+            sliding_window=5,
+            rope_base=hf_cfg.rope_parameters["rope_theta"],
+        )
+    ).eval()
     state = hf.state_dict()
-    names = {"transformer.tokens.weight": "model.embed_tokens.weight", "lm_head.decoder.weight": "lm_head.weight",
-             "transformer.decoder.embed.tokens.weight": "model.embed_tokens.weight",  # the same shared module
-             "transformer.decoder.final_norm.weight": "model.norm.weight"}
+    names = {
+        "transformer.tokens.weight": "model.embed_tokens.weight",
+        "lm_head.decoder.weight": "lm_head.weight",
+        "transformer.decoder.embed.tokens.weight": "model.embed_tokens.weight",  # the same shared module
+        "transformer.decoder.final_norm.weight": "model.norm.weight",
+    }
     for i in range(2):
         h, c = f"model.layers.{i}", f"transformer.decoder.blocks.{i}"
         names |= {f"{c}.attn.{p}.weight": f"{h}.self_attn.{p}_proj.weight" for p in "qkvo"}
         names |= {f"{c}.ffn.{p}.weight": f"{h}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-        names |= {f"{c}.norm1.weight": f"{h}.input_layernorm.weight",
-                  f"{c}.norm2.weight": f"{h}.post_attention_layernorm.weight"}
+        names |= {
+            f"{c}.norm1.weight": f"{h}.input_layernorm.weight",
+            f"{c}.norm2.weight": f"{h}.post_attention_layernorm.weight",
+        }
     ours.load_state_dict({core: state[hf_name] for core, hf_name in names.items()}, strict=True)
     ids = torch.randint(0, V, (3, 19))  # longer than the window
     with torch.no_grad():
@@ -317,16 +352,19 @@ def test_sliding_window_logits_match_mistral():
 # ----------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize(("changes", "key"), [
-    (dict(sliding_window=0), "model.sliding_window"),
-    (dict(sliding_window=-3), "model.sliding_window"),
-    (dict(global_tokens=2, sliding_window=4), "model.global_tokens"),  # on a decoder
-    (dict(arch="encoder", global_tokens=2), "model.global_tokens"),  # without a window
-    (dict(attention_kind="linear", position="alibi"), "model.attention_kind"),
-    (dict(attention_kind="linear", position="t5_relative"), "model.attention_kind"),
-    (dict(attention_kind="linear", sliding_window=4), "model.sliding_window"),
-    (dict(attention_kind="softmx"), "model.attention_kind"),
-])
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        (dict(sliding_window=0), "model.sliding_window"),
+        (dict(sliding_window=-3), "model.sliding_window"),
+        (dict(global_tokens=2, sliding_window=4), "model.global_tokens"),  # on a decoder
+        (dict(arch="encoder", global_tokens=2), "model.global_tokens"),  # without a window
+        (dict(attention_kind="linear", position="alibi"), "model.attention_kind"),
+        (dict(attention_kind="linear", position="t5_relative"), "model.attention_kind"),
+        (dict(attention_kind="linear", sliding_window=4), "model.sliding_window"),
+        (dict(attention_kind="softmx"), "model.attention_kind"),
+    ],
+)
 def test_impossible_settings_are_one_line_errors_naming_the_key(changes, key):
     values = dict(changes)
     arch = values.pop("arch", "decoder")
@@ -335,14 +373,17 @@ def test_impossible_settings_are_one_line_errors_naming_the_key(changes, key):
     assert key in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize(("objective", "extra", "message"), [
-    ("span", [], "data.document_mask=true applies to objective.name in ['clm', 'mlm']"),
-    ("clm", ["model.attention_kind=linear"], "data.document_mask=true needs model.attention_kind='softmax'"),
-])
+@pytest.mark.parametrize(
+    ("objective", "extra", "message"),
+    [
+        ("span", [], "data.document_mask=true applies to objective.name in ['clm', 'mlm']"),
+        ("clm", ["model.attention_kind=linear"], "data.document_mask=true needs model.attention_kind='softmax'"),
+    ],
+)
 def test_document_mask_errors_name_the_key(objective, extra, message):
     from pathlib import Path
 
-    from lit_transformer.config import RecipeError, load_recipe
+    from lit_transformer.recipe.load import RecipeError, load_recipe
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / f"tiny-{objective}.yaml"
     with pytest.raises(RecipeError) as error:
@@ -359,8 +400,12 @@ def test_attend_math_path_is_the_reference_for_interval_masks():
 
 # ----------------------------------------------------------------------------- recipes
 
-NEW_RECIPES = {"tiny-clm-sliding-window": "sliding_window", "tiny-clm-linear": "attention_kind",
-               "tiny-clm-document-mask": "document_mask", "tiny-mlm-longformer": "global_tokens"}
+NEW_RECIPES = {
+    "tiny-clm-sliding-window": "sliding_window",
+    "tiny-clm-linear": "attention_kind",
+    "tiny-clm-document-mask": "document_mask",
+    "tiny-mlm-longformer": "global_tokens",
+}
 
 
 @pytest.mark.usefixtures("one_thread", "private_cache")
@@ -374,7 +419,7 @@ def test_each_efficient_attention_recipe_trains_a_few_steps(name, tmp_path):
 
     from test_cli import SMALL  # the tiny runs' small sizes (about 3 s a recipe)
 
-    from lit_transformer.cli import main
+    from lit_transformer.commands.cli import main
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / f"{name}.yaml"
     extra = ["model.sliding_window=8"] if "window" in name or "longformer" in name else []

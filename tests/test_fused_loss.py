@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 
 from lit_transformer.model import TransformerConfig
-from lit_transformer.objectives import CausalLM, Seq2SeqLM
-from lit_transformer.objectives import fused_loss
+from lit_transformer.objectives import CausalLM, Seq2SeqLM, fused_loss
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
-from conftest import tiny_config
 
 N, C, V = 37, 24, 99
 
@@ -80,17 +79,27 @@ def test_under_bf16_autocast_it_matches_the_plain_path(piece_rows, monkeypatch):
 
 
 def tiny(arch: str) -> TransformerConfig:
-    extra = dict(position="t5_relative", relative_buckets=8, relative_max_distance=16, norm="rmsnorm",
-                 scale_decoder_output=True) if arch == "encoder_decoder" else dict(position="learned")
-    return tiny_config(arch, vocab_size=V, d_model=C, max_seq_len=80, dropout=0.0, attention_dropout=0.0,
-                       tie_embeddings=True, **extra)
+    extra = (
+        dict(
+            position="t5_relative",
+            relative_buckets=8,
+            relative_max_distance=16,
+            norm="rmsnorm",
+            scale_decoder_output=True,
+        )
+        if arch == "encoder_decoder"
+        else dict(position="learned")
+    )
+    return tiny_config(
+        arch, vocab_size=V, d_model=C, max_seq_len=80, dropout=0.0, attention_dropout=0.0, tie_embeddings=True, **extra
+    )
 
 
 def batch_for(arch: str, length: int = 64) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(4, V, (4, length), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, length // 2:] = 0
+    mask[1, length // 2 :] = 0
     labels = torch.randint(4, V, (4, length), generator=g).masked_fill(mask == 0, IGNORE_INDEX)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if arch == "encoder_decoder":

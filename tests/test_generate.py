@@ -14,22 +14,57 @@ import torch
 
 from lit_transformer.model import LanguageModel, preset
 from lit_transformer.model.generate import (
-    GenerationConfig, StepDecoder, beam_search, generate, left_pad, positions_from_mask,
+    GenerationConfig,
+    StepDecoder,
+    beam_search,
+    generate,
+    left_pad,
+    positions_from_mask,
 )
 
 V = 99
 CONFIGS = {
-    "learned": lambda: preset("gpt2-small", vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74,
-                              max_seq_len=64, init_std=0.2),
-    "rope_gqa": lambda: preset("tinyllama-1.1b", vocab_size=V, d_model=48, n_heads=6, n_kv_heads=2, n_layers=2,
-                               d_ff=74, max_seq_len=64, init_std=0.2),
-    "alibi": lambda: preset("gpt2-small", vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74,
-                            max_seq_len=64, position="alibi", init_std=0.2),
-    "t5_relative": lambda: preset("t5-base", vocab_size=V, d_model=48, n_heads=3, head_dim=16, n_layers=2,
-                                  n_decoder_layers=3, d_ff=74, relative_buckets=8, relative_max_distance=20,
-                                  init_std=0.2),
-    "sinusoidal": lambda: preset("transformer-base", vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74,
-                                 init_std=0.2),
+    "learned": lambda: preset(
+        "gpt2-small", vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74, max_seq_len=64, init_std=0.2
+    ),
+    "rope_gqa": lambda: preset(
+        "tinyllama-1.1b",
+        vocab_size=V,
+        d_model=48,
+        n_heads=6,
+        n_kv_heads=2,
+        n_layers=2,
+        d_ff=74,
+        max_seq_len=64,
+        init_std=0.2,
+    ),
+    "alibi": lambda: preset(
+        "gpt2-small",
+        vocab_size=V,
+        d_model=48,
+        n_heads=3,
+        n_layers=2,
+        d_ff=74,
+        max_seq_len=64,
+        position="alibi",
+        init_std=0.2,
+    ),
+    "t5_relative": lambda: preset(
+        "t5-base",
+        vocab_size=V,
+        d_model=48,
+        n_heads=3,
+        head_dim=16,
+        n_layers=2,
+        n_decoder_layers=3,
+        d_ff=74,
+        relative_buckets=8,
+        relative_max_distance=20,
+        init_std=0.2,
+    ),
+    "sinusoidal": lambda: preset(
+        "transformer-base", vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74, init_std=0.2
+    ),
 }
 SEQ2SEQ = ("t5_relative", "sinusoidal")
 LENGTHS = (7, 4, 6)
@@ -68,7 +103,7 @@ def sequence_logprob(model, prompt: torch.Tensor, tokens: torch.Tensor) -> torch
             logits = model(prompt[None], decoder_input_ids=decoder_in)[0, :-1]
         else:
             seq = torch.cat((prompt, tokens))[None]
-            logits = model(seq)[0, len(prompt) - 1:-1]
+            logits = model(seq)[0, len(prompt) - 1 : -1]
         return logits.float().log_softmax(-1).gather(1, tokens[:, None]).sum()
 
 
@@ -101,7 +136,7 @@ def test_padding_invariance(kind):
     batch_left = new_tokens(model, generate(model, left_ids, left_mask, max_new_tokens=8), 7)
     assert torch.equal(batch_right, batch_left)
     for row, n in enumerate(LENGTHS):
-        alone = generate(model, right_ids[row:row + 1, :n], max_new_tokens=8)
+        alone = generate(model, right_ids[row : row + 1, :n], max_new_tokens=8)
         assert torch.equal(new_tokens(model, alone, n)[0], batch_right[row])
 
 
@@ -113,8 +148,8 @@ def test_prompt_is_returned_left_padded():
     assert out.shape == (3, 7 + 3)
     assert torch.equal(out[:, :7], expected_ids)
     for row, n in enumerate(LENGTHS):
-        assert torch.equal(expected_ids[row, 7 - n:], ids[row, :n])
-        assert expected_mask[row].sum() == n and expected_mask[row, 7 - n:].all()
+        assert torch.equal(expected_ids[row, 7 - n :], ids[row, :n])
+        assert expected_mask[row].sum() == n and expected_mask[row, 7 - n :].all()
     assert torch.equal(positions_from_mask(expected_mask)[:, -1], torch.tensor(LENGTHS) - 1)
 
 
@@ -153,18 +188,19 @@ def test_beam_search_two_steps(kind):
                 logp = model(prompt.expand(V, n), decoder_input_ids=dec).log_softmax(-1)  # (V, 2, V)
             else:
                 seq = torch.cat((prompt.expand(V, n), torch.arange(V)[:, None]), 1)  # (V, n + 1)
-                logp = model(seq)[:, n - 1:].log_softmax(-1)  # (V, 2, V)
+                logp = model(seq)[:, n - 1 :].log_softmax(-1)  # (V, 2, V)
         first, second = logp[0, 0], logp[:, 1]  # (V,), (V, V)
         pairs = first[:, None] + second  # (V, V)
         eos = int(first.topk(2).indices[1])  # a likely first token, so both outcomes happen below
         outcomes = set()
         for lp in (0.0, 2.0, 6.0):
-            pair_scores = (pairs / 2 ** lp).clone()
+            pair_scores = (pairs / 2**lp).clone()
             pair_scores[eos] = float("-inf")  # after eos there is no second token
             best = int(pair_scores.argmax())
             expected = [best // V, best % V] if pair_scores.max() > first[eos] else [eos, 0]
-            out = generate(model, ids[row:row + 1, :n], max_new_tokens=2, num_beams=V, length_penalty=lp,
-                           eos_token_id=eos)
+            out = generate(
+                model, ids[row : row + 1, :n], max_new_tokens=2, num_beams=V, length_penalty=lp, eos_token_id=eos
+            )
             got = new_tokens(model, out, n)[0].tolist()
             assert got + [0] * (2 - len(got)) == expected, (row, lp)
             outcomes.add(expected[0] == eos)
@@ -183,9 +219,9 @@ def test_beam_search_cache_equals_recomputation(kind):
     assert torch.equal(cached, generate(model, ids, mask, use_cache=False, **kwargs))
     # Padding invariance holds for beams too.
     for row, n in enumerate(LENGTHS):
-        alone = new_tokens(model, generate(model, ids[row:row + 1, :n], **kwargs), n)[0]
+        alone = new_tokens(model, generate(model, ids[row : row + 1, :n], **kwargs), n)[0]
         batch = new_tokens(model, cached, 7)[row]
-        assert torch.equal(batch[:len(alone)], alone) and (batch[len(alone):] == 0).all()
+        assert torch.equal(batch[: len(alone)], alone) and (batch[len(alone) :] == 0).all()
 
 
 @pytest.mark.parametrize("several", [False, True])
@@ -202,7 +238,7 @@ def test_eos_stops_row_and_pads(several):
         end = int(hits[0]) + 1 if len(hits) else 12
         expected[row, end:] = V - 1
         ends.append(end)
-    expected = expected[:, :max(ends)]  # stops as soon as every row is finished
+    expected = expected[:, : max(ends)]  # stops as soon as every row is finished
     assert torch.equal(new_tokens(model, out, 7), expected)
     assert ends[0] == 3 and (not several or ends[2] <= 6)
 
@@ -213,8 +249,9 @@ def test_sampling_seeded():
     greedy = generate(model, ids, mask, max_new_tokens=10)
 
     def sample(seed, **kw):
-        return generate(model, ids, mask, max_new_tokens=10, do_sample=True,
-                        generator=torch.Generator().manual_seed(seed), **kw)
+        return generate(
+            model, ids, mask, max_new_tokens=10, do_sample=True, generator=torch.Generator().manual_seed(seed), **kw
+        )
 
     assert torch.equal(sample(3, temperature=2.0), sample(3, temperature=2.0))
     assert not torch.equal(sample(3, temperature=2.0), sample(4, temperature=2.0))
@@ -253,8 +290,16 @@ def test_sampling_distribution(temperature, top_k, top_p):
     plain = logits.double().softmax(-1)
     assert (target - plain).abs().sum() / 2 > 0.15  # the options matter, so the check can fail
     n = 20000
-    out = generate(model, prompt.expand(n, 7), max_new_tokens=1, do_sample=True, temperature=temperature,
-                   top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    out = generate(
+        model,
+        prompt.expand(n, 7),
+        max_new_tokens=1,
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=torch.Generator().manual_seed(0),
+    )
     counts = torch.bincount(out[:, -1], minlength=V).double() / n
     assert counts[target == 0].sum() == 0  # nothing outside top-k / the nucleus
     assert (counts - target).abs().sum() / 2 < 0.03  # total variation; expected ~0.01 at n=20000
@@ -263,8 +308,9 @@ def test_sampling_distribution(temperature, top_k, top_p):
 def test_errors():
     ids, mask = prompts()
     torch.manual_seed(0)
-    encoder = LanguageModel.from_config(preset("bert-base", vocab_size=V, d_model=48, n_heads=3, n_layers=1,
-                                                d_ff=74, max_seq_len=32))
+    encoder = LanguageModel.from_config(
+        preset("bert-base", vocab_size=V, d_model=48, n_heads=3, n_layers=1, d_ff=74, max_seq_len=32)
+    )
     with pytest.raises(ValueError, match="encoder"):
         generate(encoder, ids, mask, max_new_tokens=3)
     model = make_model("learned")  # max_seq_len 64, longest prompt 7
@@ -290,18 +336,34 @@ def _hf_model(family: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=V, n_embd=48, n_head=3, n_layer=2, n_inner=74, n_positions=64,
-                                         initializer_range=0.2)
+        config = transformers.GPT2Config(
+            vocab_size=V, n_embd=48, n_head=3, n_layer=2, n_inner=74, n_positions=64, initializer_range=0.2
+        )
         return transformers.GPT2LMHeadModel(config).eval()
     if family == "llama":
-        config = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=74, num_hidden_layers=2,
-                                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
-                                          initializer_range=0.2)
+        config = transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=48,
+            intermediate_size=74,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            initializer_range=0.2,
+        )
         return transformers.LlamaForCausalLM(config).eval()
     # transformers 5.23's T5 cache breaks when the decoder has more layers than the encoder.
-    config = transformers.T5Config(vocab_size=V, d_model=48, d_kv=16, num_heads=3, num_layers=3, d_ff=74,
-                                   relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                                   initializer_factor=5.0)
+    config = transformers.T5Config(
+        vocab_size=V,
+        d_model=48,
+        d_kv=16,
+        num_heads=3,
+        num_layers=3,
+        d_ff=74,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        initializer_factor=5.0,
+    )
     return transformers.T5ForConditionalGeneration(config).eval()
 
 
@@ -324,16 +386,23 @@ def test_matches_transformers_generate(tmp_path, family):
     ids = ids.masked_fill(mask == 0, pad)
     extra = dict(decoder_start_token_id=pad) if seq2seq else {}
     with torch.no_grad():
-        hf_greedy = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=pad,
-                                eos_token_id=None, **extra)
+        hf_greedy = hf.generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=pad, eos_token_id=None, **extra
+        )
     right_ids, right_mask = prompts(side="right")  # ours takes either side
     ours = generate(model, right_ids, right_mask, max_new_tokens=12, pad_token_id=pad, **extra)
     assert torch.equal(ours, hf_greedy)
     width = 1 if seq2seq else 7
     eos = int(hf_greedy[1, width + 2])  # a token greedy emits mid-way, so rows stop at different steps
     for num_beams, length_penalty in ((1, 1.0), (3, 1.0), (4, 0.3), (4, 2.0)):
-        kwargs = dict(max_new_tokens=12, num_beams=num_beams, length_penalty=length_penalty, eos_token_id=eos,
-                      pad_token_id=pad, **extra)
+        kwargs = dict(
+            max_new_tokens=12,
+            num_beams=num_beams,
+            length_penalty=length_penalty,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **extra,
+        )
         with torch.no_grad():
             expected = hf.generate(ids, attention_mask=mask, do_sample=False, early_stopping="never", **kwargs)
         assert torch.equal(generate(model, ids, mask, **kwargs), expected), (num_beams, length_penalty)

@@ -41,8 +41,13 @@ def batch():
     ids = torch.randint(3, V, (B, T), generator=g)
     mask = _mask(LENGTHS, T)
     dec = torch.randint(3, V, (B, 5), generator=g)
-    return {"ids": ids * mask, "mask": mask, "types": torch.randint(0, 3, (B, T), generator=g) * mask,
-            "dec": dec * _mask(DEC_LENGTHS, 5), "dec_mask": _mask(DEC_LENGTHS, 5)}
+    return {
+        "ids": ids * mask,
+        "mask": mask,
+        "types": torch.randint(0, 3, (B, T), generator=g) * mask,
+        "dec": dec * _mask(DEC_LENGTHS, 5),
+        "dec_mask": _mask(DEC_LENGTHS, 5),
+    }
 
 
 def _close(got, want):
@@ -68,8 +73,16 @@ def _from_pretrained(cls, path):
 
 # ----------------------------------------------------------------------------- BERT
 def _bert_config(**kw):
-    return transformers.BertConfig(vocab_size=V, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
-                                   intermediate_size=74, max_position_embeddings=19, type_vocab_size=3, **kw)
+    return transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=74,
+        max_position_embeddings=19,
+        type_vocab_size=3,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -108,14 +121,26 @@ def test_bert_model_without_head(tmp_path, batch):
 
     export_hf(ours, tmp_path / "out")
     again = _from_pretrained(transformers.BertForMaskedLM, tmp_path / "out")
-    _close(again(input_ids=batch["ids"], attention_mask=batch["mask"], token_type_ids=batch["types"]).logits,
-           ours(batch["ids"], batch["mask"], token_type_ids=batch["types"]))
+    _close(
+        again(input_ids=batch["ids"], attention_mask=batch["mask"], token_type_ids=batch["types"]).logits,
+        ours(batch["ids"], batch["mask"], token_type_ids=batch["types"]),
+    )
 
 
 # ----------------------------------------------------------------------------- GPT-2
 def _gpt2_config(**kw):
-    return transformers.GPT2Config(vocab_size=V, n_embd=48, n_layer=2, n_head=3, n_inner=74, n_positions=11,
-                                   activation_function="gelu_new", bos_token_id=1, eos_token_id=2, **kw)
+    return transformers.GPT2Config(
+        vocab_size=V,
+        n_embd=48,
+        n_layer=2,
+        n_head=3,
+        n_inner=74,
+        n_positions=11,
+        activation_function="gelu_new",
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -167,12 +192,22 @@ def test_gpt2_sharded_and_bin_checkpoints(tmp_path, batch):
 
 # ----------------------------------------------------------------------------- T5
 def _t5(version):
-    kw = dict(vocab_size=V, d_model=48, d_kv=10, d_ff=74, num_layers=2, num_decoder_layers=3, num_heads=3,
-              relative_attention_num_buckets=8, relative_attention_max_distance=20)
+    kw = dict(
+        vocab_size=V,
+        d_model=48,
+        d_kv=10,
+        d_ff=74,
+        num_layers=2,
+        num_decoder_layers=3,
+        num_heads=3,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+    )
     if version == "v1.0":
         return transformers.T5ForConditionalGeneration(transformers.T5Config(feed_forward_proj="relu", **kw))
     model = transformers.T5ForConditionalGeneration(
-        transformers.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **kw))
+        transformers.T5Config(feed_forward_proj="gated-gelu", tie_word_embeddings=False, **kw)
+    )
     # transformers 5 builds every T5 tied (tie_word_embeddings is forced true); untie explicitly,
     # which is how a v1.1 checkpoint looks: an lm_head.weight of its own, no output rescaling.
     model.lm_head.weight = torch.nn.Parameter(model.shared.weight.detach().clone())
@@ -187,16 +222,26 @@ def test_t5_roundtrip(tmp_path, batch, version):
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf")
     cfg = ours.config
-    assert (cfg.n_layers, cfg.decoder_layers, cfg.dim_per_head, cfg.relative_buckets, cfg.relative_max_distance) == \
-        (2, 3, 10, 8, 20)
+    assert (cfg.n_layers, cfg.decoder_layers, cfg.dim_per_head, cfg.relative_buckets, cfg.relative_max_distance) == (
+        2,
+        3,
+        10,
+        8,
+        20,
+    )
     v10 = version == "v1.0"
-    assert (cfg.activation, cfg.tie_embeddings, cfg.scale_decoder_output) == \
-        (("relu", True, True) if v10 else ("geglu_tanh", False, False))
+    assert (cfg.activation, cfg.tie_embeddings, cfg.scale_decoder_output) == (
+        ("relu", True, True) if v10 else ("geglu_tanh", False, False)
+    )
     assert (ours.lm_head.decoder.weight is ours.transformer.tokens.weight) == v10
 
     def hf_logits(model):
-        return model(input_ids=batch["ids"], attention_mask=batch["mask"], decoder_input_ids=batch["dec"],
-                     decoder_attention_mask=batch["dec_mask"]).logits
+        return model(
+            input_ids=batch["ids"],
+            attention_mask=batch["mask"],
+            decoder_input_ids=batch["dec"],
+            decoder_attention_mask=batch["dec_mask"],
+        ).logits
 
     got = ours(batch["ids"], batch["mask"], decoder_input_ids=batch["dec"], decoder_attention_mask=batch["dec_mask"])
     _close(got, hf_logits(hf))
@@ -210,14 +255,30 @@ def test_t5_roundtrip(tmp_path, batch, version):
 def test_llama_roundtrip(tmp_path, batch, tie):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=48, intermediate_size=74, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=10, rope_theta=500.0, tie_word_embeddings=tie, attention_bias=tie,
-        mlp_bias=tie, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+        vocab_size=V,
+        hidden_size=48,
+        intermediate_size=74,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=10,
+        rope_theta=500.0,
+        tie_word_embeddings=tie,
+        attention_bias=tie,
+        mlp_bias=tie,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     hf = _perturb(transformers.LlamaForCausalLM(config))
     hf.save_pretrained(tmp_path / "hf")
     ours = load_pretrained(tmp_path / "hf")
-    assert (ours.config.kv_heads, ours.config.dim_per_head, ours.config.rope_base, ours.config.bias) == \
-        (2, 10, 500.0, tie)
+    assert (ours.config.kv_heads, ours.config.dim_per_head, ours.config.rope_base, ours.config.bias) == (
+        2,
+        10,
+        500.0,
+        tie,
+    )
     got = ours(batch["ids"], batch["mask"])
     _close(got, hf(input_ids=batch["ids"], attention_mask=batch["mask"]).logits)
     export_hf(ours, tmp_path / "out")
@@ -235,13 +296,19 @@ def _tiny(name, **kw):
     return preset(name, **(sizes | kw))
 
 
-@pytest.mark.parametrize("cfg, cls", [
-    (_tiny("bert-base", type_vocab_size=0, tie_embeddings=False), "BertForMaskedLM"),
-    (_tiny("gpt2-small", activation="relu", scale_attention=False), "GPT2LMHeadModel"),
-    (_tiny("t5-base", activation="swiglu"), "T5ForConditionalGeneration"),
-    (_tiny("t5-base", activation="geglu", tie_embeddings=False, scale_decoder_output=True),
-     "T5ForConditionalGeneration"),
-], ids=["bert-no-types-untied", "gpt2-relu-unscaled", "t5-swiglu", "t5-geglu-untied-scaled"])
+@pytest.mark.parametrize(
+    "cfg, cls",
+    [
+        (_tiny("bert-base", type_vocab_size=0, tie_embeddings=False), "BertForMaskedLM"),
+        (_tiny("gpt2-small", activation="relu", scale_attention=False), "GPT2LMHeadModel"),
+        (_tiny("t5-base", activation="swiglu"), "T5ForConditionalGeneration"),
+        (
+            _tiny("t5-base", activation="geglu", tie_embeddings=False, scale_decoder_output=True),
+            "T5ForConditionalGeneration",
+        ),
+    ],
+    ids=["bert-no-types-untied", "gpt2-relu-unscaled", "t5-swiglu", "t5-geglu-untied-scaled"],
+)
 @torch.no_grad()
 def test_export_core_configs(tmp_path, batch, cfg, cls):
     """Core-side configs the presets allow, exported and run by transformers."""
@@ -257,17 +324,29 @@ def test_export_core_configs(tmp_path, batch, cfg, cls):
     _close(load_pretrained(tmp_path / "out")(batch["ids"], batch["mask"], **kwargs), got)
 
 
-@pytest.mark.parametrize("cfg, field", [
-    (_tiny("tinyllama-1.1b", norm_position="post"), "norm_position"),
-    (_tiny("gpt2-small", position="alibi"), "position"),
-    (_tiny("gpt2-small", norm_position="post"), "norm_position"),
-    (_tiny("gpt2-small", n_kv_heads=1), "n_kv_heads"),
-    (_tiny("bert-base", lm_head="linear"), "lm_head"),
-    (_tiny("bert-base", activation="relu"), "activation"),
-    (_tiny("transformer-base"), "position"),
-    (_tiny("t5-base", bias=True), "bias"),
-], ids=["rope-post-norm", "alibi", "gpt2-post-norm", "mqa", "bert-linear-head", "bert-relu", "sinusoidal-enc-dec",
-        "t5-bias"])
+@pytest.mark.parametrize(
+    "cfg, field",
+    [
+        (_tiny("tinyllama-1.1b", norm_position="post"), "norm_position"),
+        (_tiny("gpt2-small", position="alibi"), "position"),
+        (_tiny("gpt2-small", norm_position="post"), "norm_position"),
+        (_tiny("gpt2-small", n_kv_heads=1), "n_kv_heads"),
+        (_tiny("bert-base", lm_head="linear"), "lm_head"),
+        (_tiny("bert-base", activation="relu"), "activation"),
+        (_tiny("transformer-base"), "position"),
+        (_tiny("t5-base", bias=True), "bias"),
+    ],
+    ids=[
+        "rope-post-norm",
+        "alibi",
+        "gpt2-post-norm",
+        "mqa",
+        "bert-linear-head",
+        "bert-relu",
+        "sinusoidal-enc-dec",
+        "t5-bias",
+    ],
+)
 def test_export_refuses_unrepresentable_configs(tmp_path, cfg, field):
     with pytest.raises(InteropError, match=rf"model\.{field}="):
         export_hf(LanguageModel(cfg), tmp_path / "out")
@@ -284,8 +363,12 @@ def test_export_extra_config(tmp_path):
 
 
 # ----------------------------------------------------------------------------- MiniLM-L6
-SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Transformers read whole sentences at once.",
-             "Short one.", "Attention is all you need, said the paper from 2017."]
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Transformers read whole sentences at once.",
+    "Short one.",
+    "Attention is all you need, said the paper from 2017.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -416,8 +499,11 @@ def test_transformers_checkpoint_missing_or_unexpected(tmp_path):
     load_pretrained(tmp_path / "hf")
     del tensors["transformer.h.1.mlp.c_fc.bias"]
     save_file(tensors | {"transformer.h.0.adapter.weight": torch.zeros(2)}, weights)
-    with pytest.raises(InteropError, match=r"missing 1: transformer\.h\.1\.mlp\.c_fc\.bias; "
-                                           r"unexpected 1: transformer\.h\.0\.adapter\.weight"):
+    with pytest.raises(
+        InteropError,
+        match=r"missing 1: transformer\.h\.1\.mlp\.c_fc\.bias; "
+        r"unexpected 1: transformer\.h\.0\.adapter\.weight",
+    ):
         load_pretrained(tmp_path / "hf")
 
 
@@ -436,8 +522,11 @@ def test_native_missing_unexpected_and_unknown_key(tmp_path):
     del tensors["transformer.encoder.blocks.1.ffn.up.bias"]
     tensors["transformer.encoder.blocks.9.ffn.up.bias"] = torch.zeros(74)
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
-    with pytest.raises(InteropError, match=r"missing 1: transformer\.encoder\.blocks\.1\.ffn\.up\.bias; "
-                                           r"unexpected 1: transformer\.encoder\.blocks\.9\.ffn\.up\.bias"):
+    with pytest.raises(
+        InteropError,
+        match=r"missing 1: transformer\.encoder\.blocks\.1\.ffn\.up\.bias; "
+        r"unexpected 1: transformer\.encoder\.blocks\.9\.ffn\.up\.bias",
+    ):
         load_pretrained(tmp_path / "m")
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
     raw["model"]["d_modle"] = raw["model"].pop("d_model")

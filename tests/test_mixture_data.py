@@ -10,27 +10,40 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lit_transformer.data.collate import (IGNORE_INDEX, CLMCollator, MLMCollator, Seq2SeqCollator,
-                                          example_generators)
-from lit_transformer.data.config import DataConfig, TokenizerConfig
+from lit_transformer.data.collate import IGNORE_INDEX, CLMCollator, MLMCollator, Seq2SeqCollator, example_generators
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.mixture import (MixtureBatchSampler, MixtureDataModule, MixtureTask, mixture_rates,
-                                          task_for_step)
+from lit_transformer.data.mixture import (
+    MixtureBatchSampler,
+    MixtureDataModule,
+    MixtureTask,
+    mixture_rates,
+    task_for_step,
+)
 from lit_transformer.data.module import TextDataModule
 from lit_transformer.data.prefix import DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.sampler import ResumableBatchSampler
-from lit_transformer.data.tokenizer import (SpecialTokens, check_extra_special_tokens, save_tokenizer,
-                                            train_tokenizer)
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
+from lit_transformer.data.tokenizer import SpecialTokens, check_extra_special_tokens, save_tokenizer, train_tokenizer
 
 V = 99  # odd vocabulary so a transposed axis fails loudly
 NLU, NLG = 90, 91
-SPECIAL = SpecialTokens(pad_id=0, unk_id=1, bos_id=2, eos_id=3, cls_id=4, sep_id=5, mask_id=6,
-                        sentinel_ids=tuple(range(98, 92, -1)), extra_ids=(NLU, NLG))
+SPECIAL = SpecialTokens(
+    pad_id=0,
+    unk_id=1,
+    bos_id=2,
+    eos_id=3,
+    cls_id=4,
+    sep_id=5,
+    mask_id=6,
+    sentinel_ids=tuple(range(98, 92, -1)),
+    extra_ids=(NLU, NLG),
+)
 
 
 def same(a, b):
     return a.keys() == b.keys() and all(
-        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
 
 
 def ragged(lengths, seed=0):
@@ -53,32 +66,39 @@ def test_mixture_rates_hand_computed():
     sizes = [10, 1000, 50_000]
     for cap in (None, 500):
         assert mixture_rates(sizes, "temperature", temperature=1.0, cap=cap) == pytest.approx(
-            mixture_rates(sizes, "proportional", cap=cap))
+            mixture_rates(sizes, "proportional", cap=cap)
+        )
     assert mixture_rates(sizes, "temperature", temperature=1000.0) == pytest.approx([1 / 3] * 3, abs=0.01)
     assert sum(mixture_rates(sizes, "temperature", temperature=0.05)) == pytest.approx(1.0)  # no overflow
     assert mixture_rates([0, 10], "proportional") == [0.0, 1.0]
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: mixture_rates([1, 2], "uniform"), "method='uniform'"),
-    (lambda: mixture_rates([1, 2], "weights", weights=[1.0]), "1 weights for 2 tasks"),
-    (lambda: mixture_rates([1, 2], "weights", weights=[1.0, -1.0]), "non-negative"),
-    (lambda: mixture_rates([1, -2], "proportional"), "non-negative integers"),
-    (lambda: mixture_rates([1, 2], "proportional", cap=0), "cap=0"),
-    (lambda: mixture_rates([1, 2], "temperature", temperature=0.0), "temperature=0.0"),
-    (lambda: mixture_rates([0, 0], "proportional"), "no training examples"),
-    (lambda: mixture_rates([], "weights"), "no tasks"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: mixture_rates([1, 2], "uniform"), "method='uniform'"),
+        (lambda: mixture_rates([1, 2], "weights", weights=[1.0]), "1 weights for 2 tasks"),
+        (lambda: mixture_rates([1, 2], "weights", weights=[1.0, -1.0]), "non-negative"),
+        (lambda: mixture_rates([1, -2], "proportional"), "non-negative integers"),
+        (lambda: mixture_rates([1, 2], "proportional", cap=0), "cap=0"),
+        (lambda: mixture_rates([1, 2], "temperature", temperature=0.0), "temperature=0.0"),
+        (lambda: mixture_rates([0, 0], "proportional"), "no training examples"),
+        (lambda: mixture_rates([], "weights"), "no tasks"),
+    ],
+)
 def test_mixture_rates_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
 
-@pytest.mark.parametrize("rates", [
-    mixture_rates([1, 1, 1], "weights", weights=[1.0, 2.0, 5.0]),
-    mixture_rates([300, 40_000, 2_000], "proportional", cap=5_000),
-    mixture_rates([300, 40_000, 2_000], "temperature", temperature=3.0),
-])
+@pytest.mark.parametrize(
+    "rates",
+    [
+        mixture_rates([1, 1, 1], "weights", weights=[1.0, 2.0, 5.0]),
+        mixture_rates([300, 40_000, 2_000], "proportional", cap=5_000),
+        mixture_rates([300, 40_000, 2_000], "temperature", temperature=3.0),
+    ],
+)
 def test_task_frequencies_match_rates(rates):
     steps = 20_000
     counts = collections.Counter(task_for_step(7, s, rates) for s in range(steps))
@@ -99,8 +119,7 @@ def test_task_draws_are_keyed_by_seed_and_step_only():
 
 
 def mixture_sampler(rank=0, world=1, accumulate=1, sizes=(40, 25), batch=3, rates=(0.3, 0.7), seed=5):
-    tasks = [ResumableBatchSampler(n, batch, seed=seed + t, rank=rank, world_size=world)
-             for t, n in enumerate(sizes)]
+    tasks = [ResumableBatchSampler(n, batch, seed=seed + t, rank=rank, world_size=world) for t, n in enumerate(sizes)]
     return MixtureBatchSampler(tasks, list(rates), seed=seed, accumulate=accumulate)
 
 
@@ -129,7 +148,7 @@ def test_each_task_cycles_through_its_own_epochs():
             single.set_epoch(epoch)
             expected += list(single)
         mine = [key for task, key in keys if task == t]
-        assert mine == expected[:len(mine)]
+        assert mine == expected[: len(mine)]
         assert mine[-1][0] >= 2  # crossed epoch boundaries (13 and 8 batches per epoch)
 
 
@@ -139,7 +158,7 @@ def test_resumed_sampler_continues_exactly():
         counts = collections.Counter(t for t, _ in full[:n])
         resumed = mixture_sampler(accumulate=2)
         resumed.resume(n, [counts[0], counts[1]])
-        assert take(resumed, 50) == full[n:n + 50]
+        assert take(resumed, 50) == full[n : n + 50]
 
 
 def test_accumulated_micro_batches_share_their_step_task():
@@ -176,8 +195,8 @@ def test_decoder_prefix_collator():
         assert 1 <= p <= n - 1
         assert batch["input_ids"][row, :n].tolist() == block[:-1].tolist()
         labels = batch["labels"][row]
-        assert (labels[:p - 1] == IGNORE_INDEX).all()  # targets inside the prefix
-        assert labels[p - 1:n].tolist() == block[p:].tolist()  # the tokens after the prefix
+        assert (labels[: p - 1] == IGNORE_INDEX).all()  # targets inside the prefix
+        assert labels[p - 1 : n].tolist() == block[p:].tolist()  # the tokens after the prefix
         assert (labels[n:] == IGNORE_INDEX).all()
     again = collator(blocks, example_generators(0, 0, range(4)))
     assert same(batch, again)
@@ -211,8 +230,10 @@ def test_encoder_decoder_prefix_collator_splits_the_block():
         assert batch["decoder_input_ids"][row, 0] == SPECIAL.decoder_start_id
         assert batch["decoder_input_ids"][row, 1:dec_len].tolist() == target[:-1]
     assert same(batch, collator(blocks, example_generators(0, 0, range(3))))
-    assert len({int(m.sum()) for m in collator(ragged([16] * 20), example_generators(2, 0, range(20)))[
-        "attention_mask"]}) > 2  # the split point varies by row
+    assert (
+        len({int(m.sum()) for m in collator(ragged([16] * 20), example_generators(2, 0, range(20)))["attention_mask"]})
+        > 2
+    )  # the split point varies by row
 
 
 def test_task_collator_on_a_decoder():
@@ -224,8 +245,9 @@ def test_task_collator_on_a_decoder():
     assert batch["task"] == 3 and batch["input_ids"].shape == (2, 13)
     assert (batch["input_ids"][:, 0] == NLG).all() and (batch["attention_mask"][:, 0] == 1).all()
     assert (batch["labels"][:, 0] == IGNORE_INDEX).all()
-    assert torch.equal(batch["input_ids"][:, 1:], plain["input_ids"]) and torch.equal(batch["labels"][:, 1:],
-                                                                                      plain["labels"])
+    assert torch.equal(batch["input_ids"][:, 1:], plain["input_ids"]) and torch.equal(
+        batch["labels"][:, 1:], plain["labels"]
+    )
     assert "prefix_lengths" not in batch
 
     prefix = DecoderPrefixCollator(SPECIAL, 0.5)
@@ -238,7 +260,7 @@ def test_task_collator_on_a_decoder():
     for mode, width in ((NLU, 13), (None, 12)):
         batch = TaskCollator(mlm, task=0, objective="mlm", arch="decoder", mode_token_id=mode)(ragged([12, 12]), gens())
         assert batch["prefix_lengths"].tolist() == [width, width]  # fully bidirectional rows
-        assert torch.equal(batch["labels"][:, width - 12:], masked["labels"])
+        assert torch.equal(batch["labels"][:, width - 12 :], masked["labels"])
 
 
 def test_task_collator_on_an_encoder_and_an_encoder_decoder():
@@ -260,9 +282,14 @@ def test_task_collator_on_an_encoder_and_an_encoder_decoder():
     assert torch.equal(batch["attention_mask"][:, 1:], plain["attention_mask"])
     for key in ("labels", "decoder_input_ids", "decoder_attention_mask"):
         assert torch.equal(batch[key], plain[key])  # the decoder side is untouched
-    assert batch["task"] == 2 and same({k: v for k, v in TaskCollator(s2s, task=2, objective="seq2seq",
-                                                                      arch="encoder_decoder")(pairs).items()
-                                        if k != "task"}, plain)
+    assert batch["task"] == 2 and same(
+        {
+            k: v
+            for k, v in TaskCollator(s2s, task=2, objective="seq2seq", arch="encoder_decoder")(pairs).items()
+            if k != "task"
+        },
+        plain,
+    )
 
 
 def test_mlm_never_masks_or_inserts_extra_special_tokens():
@@ -278,7 +305,7 @@ def test_mlm_never_masks_or_inserts_extra_special_tokens():
 # ----------------------------------------------------------------------------- mode tokens in the tokenizer
 
 
-TEXTS = ["the quick brown fox %d jumps over the lazy dog [NLU]" % i for i in range(400)]
+TEXTS = [f"the quick brown fox {i} jumps over the lazy dog [NLU]" for i in range(400)]
 
 
 def test_trained_tokenizer_gets_mode_tokens_as_single_ids(tmp_path):
@@ -300,27 +327,31 @@ def test_trained_tokenizer_gets_mode_tokens_as_single_ids(tmp_path):
 
 
 def test_loaded_tokenizer_without_a_mode_token_is_a_clear_error(tmp_path):
-    path = save_tokenizer(train_tokenizer(TEXTS, TokenizerConfig(vocab_size=400, num_sentinels=0,
-                                                                  extra_special_tokens=["[NLU]"])),
-                          tmp_path / "tok" / "tokenizer.json")
+    path = save_tokenizer(
+        train_tokenizer(TEXTS, TokenizerConfig(vocab_size=400, num_sentinels=0, extra_special_tokens=["[NLU]"])),
+        tmp_path / "tok" / "tokenizer.json",
+    )
     data = DataConfig(cache_dir=str(tmp_path / "cache"), max_train_bytes=20_000, max_val_bytes=5_000)
     cfg = TokenizerConfig(path=str(path), extra_special_tokens=["[NLU]", "[S2S]"])
-    dm = MixtureDataModule([MixtureTask("a", "clm", "clm", data, mode_token="[S2S]")], arch="decoder",
-                           tokenizer=cfg, tokenizer_data=data)
+    dm = MixtureDataModule(
+        [MixtureTask("a", "clm", "clm", data, mode_token="[S2S]")], arch="decoder", tokenizer=cfg, tokenizer_data=data
+    )
     with pytest.raises(DataError, match=rf"'\[S2S\]' is not a special token of {path}") as info:
         dm.prepare_data()
     assert "\n" not in str(info.value)
     with pytest.raises(DataError, match=r"mode_token='\[X\]' is not in tokenizer.extra_special_tokens"):
-        MixtureDataModule([MixtureTask("a", "clm", "clm", data, mode_token="[X]")], arch="decoder",
-                          tokenizer=cfg, tokenizer_data=data)
+        MixtureDataModule(
+            [MixtureTask("a", "clm", "clm", data, mode_token="[X]")], arch="decoder", tokenizer=cfg, tokenizer_data=data
+        )
 
 
 # ----------------------------------------------------------------------------- the data module
 
 
 DATA = dict(max_train_bytes=300_000, max_val_bytes=50_000, block_size=32, batch_size=4)
-MODE_TOK = TokenizerConfig(vocab_size=1000, max_train_bytes=300_000, num_sentinels=0,
-                           extra_special_tokens=["[NLU]", "[NLG]"])
+MODE_TOK = TokenizerConfig(
+    vocab_size=1000, max_train_bytes=300_000, num_sentinels=0, extra_special_tokens=["[NLU]", "[NLG]"]
+)
 
 
 @pytest.fixture(scope="module")
@@ -330,10 +361,13 @@ def cache(tmp_path_factory):
 
 def unilm(cache, run_dir=None, **kw):
     data = DataConfig(cache_dir=cache, **DATA)
-    tasks = [MixtureTask("bidirectional", "mlm", "mlm", data, mode_token="[NLU]"),
-             MixtureTask("prefix", "prefix_lm", "clm", data, prefix_fraction=0.5, mode_token="[NLG]")]
-    return MixtureDataModule(tasks, arch="decoder", tokenizer=MODE_TOK, tokenizer_data=data, seed=3,
-                             run_dir=run_dir, **kw)
+    tasks = [
+        MixtureTask("bidirectional", "mlm", "mlm", data, mode_token="[NLU]"),
+        MixtureTask("prefix", "prefix_lm", "clm", data, prefix_fraction=0.5, mode_token="[NLG]"),
+    ]
+    return MixtureDataModule(
+        tasks, arch="decoder", tokenizer=MODE_TOK, tokenizer_data=data, seed=3, run_dir=run_dir, **kw
+    )
 
 
 def consume(dm, it, k):
@@ -422,9 +456,17 @@ def test_lightning_trains_on_the_infinite_mixture_and_resumes(cache, tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    common = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                  limit_val_batches=1, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-                  accumulate_grad_batches=2)
+    common = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=1,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=2,
+    )
     full = Recorder(1000)
     L.Trainer(max_steps=6, enable_checkpointing=False, **common).fit(full, datamodule=unilm(cache, accumulate=2))
     assert len(full.seen) == 12 and full.val_seen == {(0, 0), (1, 1)}
@@ -437,5 +479,6 @@ def test_lightning_trains_on_the_infinite_mixture_and_resumes(cache, tmp_path):
     assert torch.load(path, weights_only=False)["MixtureDataModule"]["micro_batches"] == 4
     rest = Recorder(1000)
     L.Trainer(max_steps=6, enable_checkpointing=False, **common).fit(
-        rest, datamodule=unilm(cache, accumulate=2), ckpt_path=str(path))
+        rest, datamodule=unilm(cache, accumulate=2), ckpt_path=str(path)
+    )
     assert part.seen == full.seen[:4] and rest.seen == full.seen[4:]

@@ -1,15 +1,15 @@
-"""Properties of the shared core (DESIGN.md, 'Tests that carry weight'), on odd tiny sizes:
+"""Properties of the shared core, on odd tiny sizes:
 batch 3, length 7, vocabulary 99, so that a transposed axis crashes instead of broadcasting."""
 
 import math
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from lit_transformer.model import ConfigError, LanguageModel, TransformerConfig, init_weights, preset
 from lit_transformer.model.attention import Attention
 from lit_transformer.model.positions import alibi_slopes, apply_rope, rope_cos_sin, sinusoidal
-from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 POSITIONS = ["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
@@ -48,7 +48,7 @@ def test_causality_by_gradients(position, impl):
         logits = model(ids)
         logits[:, t].sum().backward()
         grad = captured["x"].grad  # (B, T, C)
-        assert torch.all(grad[:, t + 1:] == 0), f"position {t} sees the future"
+        assert torch.all(grad[:, t + 1 :] == 0), f"position {t} sees the future"
         assert grad[:, : t + 1].abs().sum() > 0, "the output depends on nothing"
 
 
@@ -64,7 +64,7 @@ def test_right_padding_does_not_change_unpadded_outputs(arch, position):
     ids = ids.masked_fill(mask == 0, 0)
     batched = forward(model, ids, mask, ids, mask)
     for row, n in enumerate(lengths):
-        alone = forward(model, ids[row:row + 1, :n])
+        alone = forward(model, ids[row : row + 1, :n])
         torch.testing.assert_close(batched[row, :n], alone[0], atol=1e-5, rtol=1e-5)
 
 
@@ -80,7 +80,7 @@ def test_left_padding_with_position_ids_matches_unpadded(position):
     out = model(ids, mask, position_ids=positions)
     for row in range(B):
         start = int((mask[row] == 0).sum())
-        alone = model(ids[row:row + 1, start:])
+        alone = model(ids[row : row + 1, start:])
         torch.testing.assert_close(out[row, start:], alone[0], atol=1e-5, rtol=1e-5)
 
 
@@ -126,7 +126,7 @@ def test_attention_heads_equal_an_explicit_reference(n_kv_heads, impl):
     heads = []
     for h in range(H):
         group = h // (H // n_kv_heads)
-        scores = q[:, :, h] @ k[:, :, group].transpose(1, 2) / D ** 0.5  # (B, T, S)
+        scores = q[:, :, h] @ k[:, :, group].transpose(1, 2) / D**0.5  # (B, T, S)
         heads.append(scores.masked_fill(future, float("-inf")).softmax(-1) @ v[:, :, group])  # (B, T, D)
     expected = attn.o(torch.stack(heads, dim=2).reshape(B, T, H * D))  # (B, T, C)
     torch.testing.assert_close(attn(x, is_causal=True), expected, atol=1e-5, rtol=1e-5)
@@ -156,8 +156,9 @@ def test_sdpa_path_equals_math_path(arch, position):
     ids = torch.randint(1, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, 5:] = 0
-    torch.testing.assert_close(forward(sdpa, ids, mask, ids, mask), forward(math_path, ids, mask, ids, mask),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        forward(sdpa, ids, mask, ids, mask), forward(math_path, ids, mask, ids, mask), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(forward(sdpa, ids), forward(math_path, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -223,8 +224,14 @@ def test_meta_device_build_then_materialise_and_init():
 
 
 def test_big_presets_build_on_meta_with_published_sizes():
-    expected = {"transformer-base": 65e6, "transformer-big": 213e6, "bert-base": 110e6, "gpt2-small": 124e6,
-                "t5-base": 220e6, "gpt3-175b": 175e9}
+    expected = {
+        "transformer-base": 65e6,
+        "transformer-big": 213e6,
+        "bert-base": 110e6,
+        "gpt2-small": 124e6,
+        "t5-base": 220e6,
+        "gpt3-175b": 175e9,
+    }
     for name, published in expected.items():
         model = LanguageModel.from_config(preset(name), device="meta")
         n = sum(p.numel() for p in model.parameters())
@@ -237,16 +244,19 @@ def test_learned_positions_past_the_table_fail_clearly():
         model(torch.randint(0, V, (1, 9)))
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(d_model=25), "d_model=25 is not divisible by model.n_heads=3"),
-    (dict(n_heads=3, n_kv_heads=2), "n_heads=3 is not divisible by model.n_kv_heads=2"),
-    (dict(dropout=1.0), r"dropout=1.0 is outside \[0, 1\)"),
-    (dict(attention_dropout=-0.1), "attention_dropout=-0.1 is outside"),
-    (dict(position="sinusiodal"), r"did you mean `sinusoidal`"),
-    (dict(n_layers=0), "n_layers=0 must be a positive integer"),
-    (dict(position="rope", head_dim=5), "even head dimension"),
-    (dict(arch="decoder", n_decoder_layers=2), "only for arch=encoder_decoder"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(d_model=25), "d_model=25 is not divisible by model.n_heads=3"),
+        (dict(n_heads=3, n_kv_heads=2), "n_heads=3 is not divisible by model.n_kv_heads=2"),
+        (dict(dropout=1.0), r"dropout=1.0 is outside \[0, 1\)"),
+        (dict(attention_dropout=-0.1), "attention_dropout=-0.1 is outside"),
+        (dict(position="sinusiodal"), r"did you mean `sinusoidal`"),
+        (dict(n_layers=0), "n_layers=0 must be a positive integer"),
+        (dict(position="rope", head_dim=5), "even head dimension"),
+        (dict(arch="decoder", n_decoder_layers=2), "only for arch=encoder_decoder"),
+    ],
+)
 def test_impossible_configs_fail_with_the_values_named(changes, message):
     with pytest.raises(ConfigError, match=message):
         tiny().replace(**changes)

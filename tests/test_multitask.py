@@ -10,24 +10,39 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import StopAt
 from lightning.pytorch.callbacks import Callback
 
-from lit_transformer.cli import main
-from lit_transformer.config import RecipeError, load_recipe
-from lit_transformer.runner import train
-from conftest import StopAt
+from lit_transformer.commands.cli import main
+from lit_transformer.commands.train import train
+from lit_transformer.recipe.load import RecipeError, load_recipe
 
 pytestmark = pytest.mark.slow
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # tiny and deterministic: no dropout, validation every 3 steps on 2 batches, no W&B
 COMMON = [
-    "tokenizer.vocab_size=400", "tokenizer.max_train_bytes=200000", "data.max_train_bytes=200000",
-    "data.max_val_bytes=30000", "data.block_size=48", "data.batch_size=4", "model.d_model=32", "model.n_heads=2",
-    "model.d_ff=64", "model.dropout=0.0", "optim.warmup_steps=0", "trainer.max_steps=6",
-    "trainer.val_check_interval=3", "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
-    "trainer.precision=32-true", "trainer.num_threads=1", "trainer.accelerator=cpu", "logger.wandb.mode=disabled",
-    "generation.enabled=false", "trainer.checkpoint_every_n_steps=3",
+    "tokenizer.vocab_size=400",
+    "tokenizer.max_train_bytes=200000",
+    "data.max_train_bytes=200000",
+    "data.max_val_bytes=30000",
+    "data.block_size=48",
+    "data.batch_size=4",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.d_ff=64",
+    "model.dropout=0.0",
+    "optim.warmup_steps=0",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.num_threads=1",
+    "trainer.accelerator=cpu",
+    "logger.wandb.mode=disabled",
+    "generation.enabled=false",
+    "trainer.checkpoint_every_n_steps=3",
 ]
 
 
@@ -49,16 +64,21 @@ def cache(tmp_path_factory, monkeypatch):
 
 def _mixture_of(tmp_path: Path, recipe: str, objective: str) -> Path:
     path = tmp_path / f"one-{objective}.yaml"
-    path.write_text(f"extends: {RECIPES / recipe}.yaml\nobjective: {{name: mixture}}\n"
-                    f"tasks: [{{name: only, objective: {objective}}}]\n")
+    path.write_text(
+        f"extends: {RECIPES / recipe}.yaml\nobjective: {{name: mixture}}\n"
+        f"tasks: [{{name: only, objective: {objective}}}]\n"
+    )
     return path
 
 
 @pytest.mark.parametrize("recipe, objective", [("tiny-clm", "clm"), ("tiny-span", "span"), ("tiny-mlm", "mlm")])
 def test_a_mixture_of_one_task_reproduces_the_single_objective(tmp_path, recipe, objective):
     single, mixture = Record(), Record()
-    train(load_recipe(RECIPES / f"{recipe}.yaml", [*COMMON, f"run.dir={tmp_path / 'single'}"]),
-          callbacks=[single], progress_bar=False)
+    train(
+        load_recipe(RECIPES / f"{recipe}.yaml", [*COMMON, f"run.dir={tmp_path / 'single'}"]),
+        callbacks=[single],
+        progress_bar=False,
+    )
     cfg = load_recipe(_mixture_of(tmp_path, recipe, objective), [*COMMON, f"run.dir={tmp_path / 'mixture'}"])
     assert cfg.objective.name == "mixture" and len(cfg.tasks) == 1
     train(cfg, callbacks=[mixture], progress_bar=False)
@@ -72,13 +92,15 @@ def test_a_mixture_of_one_task_reproduces_the_single_objective(tmp_path, recipe,
 def test_a_resumed_mixture_continues_exactly(tmp_path):
     args = [*COMMON, "trainer.checkpoint_every_n_steps=1"]
     straight = Record()
-    train(load_recipe(RECIPES / "tiny-unilm.yaml", [*args, f"run.dir={tmp_path / 'straight'}"]),
-          callbacks=[straight], progress_bar=False)
+    train(
+        load_recipe(RECIPES / "tiny-unilm.yaml", [*args, f"run.dir={tmp_path / 'straight'}"]),
+        callbacks=[straight],
+        progress_bar=False,
+    )
     first, second = Record(), Record()
     resumed = [*args, f"run.dir={tmp_path / 'resumed'}"]
     train(load_recipe(RECIPES / "tiny-unilm.yaml", resumed), callbacks=[first, StopAt(3)], progress_bar=False)
-    train(load_recipe(RECIPES / "tiny-unilm.yaml", [*resumed, "resume=auto"]), callbacks=[second],
-          progress_bar=False)
+    train(load_recipe(RECIPES / "tiny-unilm.yaml", [*resumed, "resume=auto"]), callbacks=[second], progress_bar=False)
     assert [s[2] for s in first.steps] + [s[2] for s in second.steps] == [s[2] for s in straight.steps]
     assert len({s[2] for s in straight.steps}) > 1  # the draws do mix tasks
     assert [s[1] for s in first.steps + second.steps] == pytest.approx([s[1] for s in straight.steps], abs=1e-6)
@@ -93,8 +115,10 @@ def unilm(tmp_path_factory) -> Path:
     before = os.environ.get("LIT_TRANSFORMER_CACHE")
     os.environ["LIT_TRANSFORMER_CACHE"] = str(cache)
     try:
-        train(load_recipe(RECIPES / "tiny-unilm.yaml", [*COMMON, "trainer.max_steps=9", f"run.dir={run}"]),
-              progress_bar=False)
+        train(
+            load_recipe(RECIPES / "tiny-unilm.yaml", [*COMMON, "trainer.max_steps=9", f"run.dir={run}"]),
+            progress_bar=False,
+        )
     finally:
         if before is None:
             os.environ.pop("LIT_TRANSFORMER_CACHE")
@@ -143,7 +167,7 @@ def test_generate_and_export_read_the_mixture(unilm, tmp_path, capsys):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    from lit_transformer.loading import load_language_model, resolve_source
+    from lit_transformer.commands.loading import load_language_model, resolve_source
 
     ours = load_language_model(resolve_source(str(unilm))).eval()
     ids = torch.randint(5, 300, (3, 7))
@@ -153,10 +177,18 @@ def test_generate_and_export_read_the_mixture(unilm, tmp_path, capsys):
 
 def test_finetune_classifies_through_the_bidirectional_mode(unilm, tmp_path):
     out = tmp_path / "classify"
-    cfg = load_recipe(RECIPES / "tiny-classify-from-pretrained.yaml",
-                      [f"finetune.from={unilm}", "trainer.max_steps=4", "trainer.val_check_interval=4",
-                       "trainer.limit_val_batches=2", "logger.wandb.mode=disabled", "trainer.accelerator=cpu",
-                       f"run.dir={out}"])
+    cfg = load_recipe(
+        RECIPES / "tiny-classify-from-pretrained.yaml",
+        [
+            f"finetune.from={unilm}",
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "trainer.limit_val_batches=2",
+            "logger.wandb.mode=disabled",
+            "trainer.accelerator=cpu",
+            f"run.dir={out}",
+        ],
+    )
     metrics = train(cfg, progress_bar=False)
     assert 0 <= metrics["val/accuracy"] <= 1
     assert "attention: bidirectional" in (out / "config.yaml").read_text()
@@ -170,8 +202,22 @@ def test_ul2_trains_every_denoiser_and_generates_with_a_mode_token(tmp_path, cap
     train(cfg, progress_bar=False)
     metrics = json.loads((run / "metrics.json").read_text())
     assert {k.split("/")[1] for k in metrics if k.endswith("/loss")} == {t.name for t in cfg.tasks}
-    assert main(["generate", str(run), "--prompt", "import os", "--greedy", "--max-new-tokens", "5",
-                 "--mode-token", "[S2S]"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(run),
+                "--prompt",
+                "import os",
+                "--greedy",
+                "--max-new-tokens",
+                "5",
+                "--mode-token",
+                "[S2S]",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", "x", "--mode-token", "[XYZ]"]) == 2
     assert "[XYZ]" in capsys.readouterr().err
@@ -201,10 +247,12 @@ def test_t5_style_mixture_of_span_corruption_and_a_supervised_task(tmp_path, cap
     """Raffel et al. 2020, 3.5: unsupervised span corruption on the corpus beside a supervised
     seq2seq task on its own data (the embedded docstring -> name pairs), examples-proportional."""
     recipe = tmp_path / "t5-mixture.yaml"
-    recipe.write_text(f"extends: {RECIPES / 'tiny-span.yaml'}\nobjective: {{name: mixture}}\n"
-                      "mixture: {rates: proportional, cap: 500}\n"
-                      "tasks:\n  - {name: span, objective: span}\n"
-                      "  - {name: summary, objective: seq2seq, data: {max_length: 48, max_target_length: 16}}\n")
+    recipe.write_text(
+        f"extends: {RECIPES / 'tiny-span.yaml'}\nobjective: {{name: mixture}}\n"
+        "mixture: {rates: proportional, cap: 500}\n"
+        "tasks:\n  - {name: span, objective: span}\n"
+        "  - {name: summary, objective: seq2seq, data: {max_length: 48, max_target_length: 16}}\n"
+    )
     run = tmp_path / "run"
     record = Record()
     train(load_recipe(recipe, [*COMMON, f"run.dir={run}"]), callbacks=[record], progress_bar=False)

@@ -15,16 +15,25 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from torch.utils.data import DataLoader
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.accounting import train_flops
 from lit_transformer.objectives import (
-    CausalLM, MaskedLM, OptimConfig, Seq2SeqLM, SequenceClassifier, bits_per_byte, evaluate_batches,
-    lr_multiplier, make_scheduler, parameter_groups, token_cross_entropy,
+    CausalLM,
+    MaskedLM,
+    OptimConfig,
+    Seq2SeqLM,
+    SequenceClassifier,
+    bits_per_byte,
+    evaluate_batches,
+    lr_multiplier,
+    make_scheduler,
+    parameter_groups,
+    token_cross_entropy,
 )
 from lit_transformer.objectives.metrics import CorpusBLEU
-from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 
@@ -53,8 +62,12 @@ def mlm_batch() -> dict[str, torch.Tensor]:
     labels[2, 5] = ids[2, 5]  # an uneven count per row
     inputs = ids.clone()
     inputs[labels != -100] = 3  # [MASK]
-    return {"input_ids": inputs, "attention_mask": torch.ones(B, T, dtype=torch.long), "labels": labels,
-            "token_type_ids": torch.zeros(B, T, dtype=torch.long)}
+    return {
+        "input_ids": inputs,
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+        "labels": labels,
+        "token_type_ids": torch.zeros(B, T, dtype=torch.long),
+    }
 
 
 def clm_batch() -> dict[str, torch.Tensor]:
@@ -84,8 +97,13 @@ def seq2seq_batch(eos: int = 1, pad: int = 0) -> dict[str, torch.Tensor]:
     decoder_mask = torch.zeros(B, T_dec, dtype=torch.long)
     for row, n in enumerate(lengths):
         decoder_mask[row, : n + 1] = 1
-    return {"input_ids": source, "attention_mask": source_mask, "decoder_input_ids": decoder_input_ids,
-            "decoder_attention_mask": decoder_mask, "labels": labels}
+    return {
+        "input_ids": source,
+        "attention_mask": source_mask,
+        "decoder_input_ids": decoder_input_ids,
+        "decoder_attention_mask": decoder_mask,
+        "labels": labels,
+    }
 
 
 def manual_fit(module, batch, steps: int, lr: float) -> tuple[float, float]:
@@ -104,8 +122,15 @@ def manual_fit(module, batch, steps: int, lr: float) -> tuple[float, float]:
 
 
 def trainer(**kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
 
@@ -122,9 +147,9 @@ def test_inverse_sqrt_matches_the_2017_formula():
     d = 512
 
     def paper(step_num):
-        return d ** -0.5 * min(step_num ** -0.5, step_num * 4000 ** -1.5)
+        return d**-0.5 * min(step_num**-0.5, step_num * 4000**-1.5)
 
-    assert lr_multiplier(0, optim, d_model=d) == pytest.approx(d ** -0.5 * 4000 ** -1.5)  # finite, non-zero
+    assert lr_multiplier(0, optim, d_model=d) == pytest.approx(d**-0.5 * 4000**-1.5)  # finite, non-zero
     for step_num in (1, 100, 3999, 4000, 4001, 16000, 100000):
         assert lr_multiplier(step_num - 1, optim, d_model=d) == pytest.approx(paper(step_num), rel=1e-12)
     values = [lr_multiplier(i, optim, d_model=d) for i in range(0, 20000, 7)] + [lr_multiplier(3999, optim, d_model=d)]
@@ -152,8 +177,9 @@ def test_cosine_linear_constant_with_warmup():
 def test_scheduler_drives_the_optimizer_lr_per_step():
     optim = OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=3, min_lr_ratio=0.2)
     param = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.AdamW([{"params": [param]}, {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1e-3}],
-                                  lr=optim.lr)
+    optimizer = torch.optim.AdamW(
+        [{"params": [param]}, {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1e-3}], lr=optim.lr
+    )
     scheduler = make_scheduler(optimizer, optim, max_steps=13)
     for step in range(15):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * lr_multiplier(step, optim, 13))
@@ -168,25 +194,38 @@ def test_scheduler_drives_the_optimizer_lr_per_step():
 
 
 def test_decay_groups_bert_style_tied():
-    module = MaskedLM(tiny("encoder", type_vocab_size=2, embedding_norm=True, lm_head="bert_mlm",
-                           norm_position="post"))
+    module = MaskedLM(tiny("encoder", type_vocab_size=2, embedding_norm=True, lm_head="bert_mlm", norm_position="post"))
     groups = parameter_groups(module, 0.1)
     decay = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
     no_decay = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
     block = "model.transformer.encoder.blocks.{}."
-    expected_decay = {block.format(i) + f"{part}.weight" for i in range(2)
-                      for part in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")}
+    expected_decay = {
+        block.format(i) + f"{part}.weight"
+        for i in range(2)
+        for part in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")
+    }
     expected_decay.add("model.lm_head.dense.weight")
     assert decay == expected_decay
-    expected_no_decay = {block.format(i) + f"{part}.{kind}" for i in range(2) for kind in ("weight", "bias")
-                         for part in ("norm1", "norm2")}
-    expected_no_decay |= {block.format(i) + f"{part}.bias" for i in range(2)
-                          for part in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")}
+    expected_no_decay = {
+        block.format(i) + f"{part}.{kind}"
+        for i in range(2)
+        for kind in ("weight", "bias")
+        for part in ("norm1", "norm2")
+    }
+    expected_no_decay |= {
+        block.format(i) + f"{part}.bias"
+        for i in range(2)
+        for part in ("attn.q", "attn.k", "attn.v", "attn.o", "ffn.up", "ffn.down")
+    }
     expected_no_decay |= {
         "model.transformer.tokens.weight",  # tied to the LM head's decoder: once, as an embedding
-        "model.transformer.encoder.embed.token_types.weight", "model.transformer.encoder.embed.positions.weight",
-        "model.transformer.encoder.embed.norm.weight", "model.transformer.encoder.embed.norm.bias",
-        "model.lm_head.dense.bias", "model.lm_head.norm.weight", "model.lm_head.norm.bias",
+        "model.transformer.encoder.embed.token_types.weight",
+        "model.transformer.encoder.embed.positions.weight",
+        "model.transformer.encoder.embed.norm.weight",
+        "model.transformer.encoder.embed.norm.bias",
+        "model.lm_head.dense.bias",
+        "model.lm_head.norm.weight",
+        "model.lm_head.norm.bias",
         "model.lm_head.decoder.bias",
     }
     assert no_decay == expected_no_decay
@@ -194,8 +233,16 @@ def test_decay_groups_bert_style_tied():
 
 
 def test_decay_groups_untied_t5_style():
-    module = Seq2SeqLM(tiny("encoder_decoder", position="t5_relative", norm="rmsnorm", bias=False,
-                            tie_embeddings=False, n_decoder_layers=1))
+    module = Seq2SeqLM(
+        tiny(
+            "encoder_decoder",
+            position="t5_relative",
+            norm="rmsnorm",
+            bias=False,
+            tie_embeddings=False,
+            n_decoder_layers=1,
+        )
+    )
     groups = parameter_groups(module, 0.1)
     decay = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
     no_decay = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
@@ -204,7 +251,8 @@ def test_decay_groups_untied_t5_style():
     assert "model.transformer.decoder.blocks.0.cross_attn.k.weight" in decay
     assert all(n.endswith(".weight") and "norm" not in n for n in decay)
     assert {n for n in no_decay if "norm" not in n} == {
-        "model.transformer.tokens.weight", "model.transformer.encoder.relative_bias.embedding.weight",
+        "model.transformer.tokens.weight",
+        "model.transformer.encoder.relative_bias.embedding.weight",
         "model.transformer.decoder.relative_bias.embedding.weight",
     }
 
@@ -310,8 +358,16 @@ def test_masked_lm_overfits_with_lightning_trainer(tmp_path):
     assert after["loss"] < 0.1 * before["loss"]
     assert after["masked_accuracy"] == 1.0
     metrics = fit.callback_metrics
-    for name in ("train/loss", "train/ppl", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu",
-                 "train/masked_accuracy", "train/skipped_steps"):
+    for name in (
+        "train/loss",
+        "train/ppl",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/mfu",
+        "train/masked_accuracy",
+        "train/skipped_steps",
+    ):
         assert name in metrics, name
     assert float(metrics["train/lr"]) == pytest.approx(1e-2)
     # MFU counts the body on every token and the LM head only on the masked positions.
@@ -365,8 +421,9 @@ def test_nonfinite_loss_skips_the_step_and_leaves_weights():
     fit = trainer(max_steps=1, log_every_n_steps=1)
     fit.fit(module, train_dataloaders=repeat(batch, 1))
     assert module.skipped_steps == 0
-    assert not torch.equal(module.state_dict()["model.transformer.tokens.weight"],
-                           before["model.transformer.tokens.weight"])
+    assert not torch.equal(
+        module.state_dict()["model.transformer.tokens.weight"], before["model.transformer.tokens.weight"]
+    )
 
 
 def test_causal_lm_overfits_and_samples():
@@ -384,10 +441,13 @@ def test_causal_lm_overfits_and_samples():
 
 def test_seq2seq_overfits_and_scores_bleu():
     batch = seq2seq_batch(eos=1, pad=0)
-    module = Seq2SeqLM(tiny("encoder_decoder", n_decoder_layers=1, position="sinusoidal", norm_position="post",
-                            activation="relu"),
-                       fast_optim(), bleu=True, detokenize=lambda ids: " ".join(map(str, ids)),
-                       generate_kwargs={"max_new_tokens": 8, "eos_token_id": 1, "pad_token_id": 0, "num_beams": 2})
+    module = Seq2SeqLM(
+        tiny("encoder_decoder", n_decoder_layers=1, position="sinusoidal", norm_position="post", activation="relu"),
+        fast_optim(),
+        bleu=True,
+        detokenize=lambda ids: " ".join(map(str, ids)),
+        generate_kwargs={"max_new_tokens": 8, "eos_token_id": 1, "pad_token_id": 0, "num_beams": 2},
+    )
     before = evaluate_batches(module, [batch])
     assert before["bleu"] < 50
     first, last = manual_fit(module, batch, 250, 1e-2)
@@ -418,13 +478,14 @@ def _separable(problem: str, n: int = 24):
     else:
         counts = torch.arange(n) % 4
         for row, c in enumerate(counts.tolist()):
-            ids[row, 1:1 + c] = 30
+            ids[row, 1 : 1 + c] = 30
         labels = counts.float()
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-@pytest.mark.parametrize("problem,arch", [("single_label", "encoder"), ("multi_label", "decoder"),
-                                          ("regression", "encoder_decoder")])
+@pytest.mark.parametrize(
+    "problem,arch", [("single_label", "encoder"), ("multi_label", "decoder"), ("regression", "encoder_decoder")]
+)
 def test_classifier_learns_a_separable_problem(problem, arch):
     batch = _separable(problem)
     num_labels = {"single_label": 3, "multi_label": 4, "regression": 1}[problem]
@@ -508,10 +569,16 @@ def test_fsdp2_two_processes_skip_a_nonfinite_step_together(tmp_path):
     untouched, and training then proceeds."""
     script = tmp_path / "fsdp_run.py"
     script.write_text(_FSDP_SCRIPT)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
-                            timeout=240)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(20000 + os.getpid() % 20000),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"report_{rank}.json").read_text())

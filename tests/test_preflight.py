@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from lit_transformer import preflight
-from lit_transformer.cli import main
-from lit_transformer.config import load_recipe, model_config
+from lit_transformer.commands.cli import main
 from lit_transformer.errors import RecipeError
+from lit_transformer.recipe.load import load_recipe, model_config
+from lit_transformer.training import preflight
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GiB = 1 << 30
@@ -33,24 +33,40 @@ def machine(monkeypatch):
 def translation_files(root: Path) -> list[str]:
     """The README's translation example's keys, on a few aligned sentence pairs."""
     files = {}
-    for name, lines in (("train.en", ["a small house", "the red car"] * 20), ("train.de", ["ein kleines haus", "das rote auto"] * 20),
-                        ("valid.en", ["a red house"] * 4), ("valid.de", ["ein rotes haus"] * 4)):
+    for name, lines in (
+        ("train.en", ["a small house", "the red car"] * 20),
+        ("train.de", ["ein kleines haus", "das rote auto"] * 20),
+        ("valid.en", ["a red house"] * 4),
+        ("valid.de", ["ein rotes haus"] * 4),
+    ):
         (root / name).write_text("\n".join(lines) + "\n")
         files[name] = root / name
-    return [f"data.source_files=[{files['train.en']}]", f"data.target_files=[{files['train.de']}]",
-            f"data.val_source_files=[{files['valid.en']}]", f"data.val_target_files=[{files['valid.de']}]"]
+    return [
+        f"data.source_files=[{files['train.en']}]",
+        f"data.target_files=[{files['train.de']}]",
+        f"data.val_source_files=[{files['valid.en']}]",
+        f"data.val_target_files=[{files['valid.de']}]",
+    ]
 
 
 def wmt(tmp_path: Path, *extra: str):
-    return load_recipe(RECIPES / "transformer-base-wmt.yaml", [*translation_files(tmp_path), "trainer.max_steps=2",
-                                                             *extra])
+    return load_recipe(
+        RECIPES / "transformer-base-wmt.yaml", [*translation_files(tmp_path), "trainer.max_steps=2", *extra]
+    )
 
 
 def test_the_readme_translation_example_stops_at_once_naming_the_keys(machine, tmp_path, capsys):
     run_dir = tmp_path / "run"
     start = time.perf_counter()
-    code = main(["pretrain", str(RECIPES / "transformer-base-wmt.yaml"), *translation_files(tmp_path),
-                 "trainer.max_steps=2", f"run.dir={run_dir}"])
+    code = main(
+        [
+            "pretrain",
+            str(RECIPES / "transformer-base-wmt.yaml"),
+            *translation_files(tmp_path),
+            "trainer.max_steps=2",
+            f"run.dir={run_dir}",
+        ]
+    )
     assert code == 2 and time.perf_counter() - start < 30
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: trainer.devices=8") and "\n" not in err, err
@@ -86,8 +102,9 @@ def test_a_run_that_cannot_fit_in_memory_stops_naming_the_keys(machine, tmp_path
     cfg = wmt(tmp_path, "trainer.devices=1")
     need = preflight.estimate(cfg, model_config(cfg))
     machine["memory"] = need.per_rank  # the process itself needs more than the states and activations
-    with pytest.raises(RecipeError, match="data.batch_tokens.*trainer.activation_checkpointing=true.*"
-                                          "trainer.check_memory=false"):
+    with pytest.raises(
+        RecipeError, match="data.batch_tokens.*trainer.activation_checkpointing=true.*trainer.check_memory=false"
+    ):
         preflight.check(cfg, model_config(cfg))
     unchecked = wmt(tmp_path, "trainer.devices=1", "trainer.check_memory=false")
     preflight.check(unchecked, model_config(unchecked))

@@ -7,10 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from lit_transformer.cli import main
-
 from test_cli import pretrain_args
+
+from lit_transformer.commands.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
@@ -33,8 +32,9 @@ def progress_bars_on(monkeypatch):
 def test_a_missing_column_is_the_only_line_on_stderr(progress_bars_on, tmp_path, capfd):
     corpus = tmp_path / "train.jsonl"
     corpus.write_text("".join(json.dumps({"body": f"line {i} of a small corpus"}) + "\n" for i in range(50)))
-    args = pretrain_args("tiny-clm", tmp_path / "run", f"data.train_files=[{corpus}]",
-                         f"data.cache_dir={tmp_path / 'cache'}")
+    args = pretrain_args(
+        "tiny-clm", tmp_path / "run", f"data.train_files=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"
+    )
     assert main(args) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "no column 'text' (data.text_column)" in err, err
@@ -43,8 +43,9 @@ def test_a_missing_column_is_the_only_line_on_stderr(progress_bars_on, tmp_path,
 @pytest.mark.slow
 def test_a_successful_run_prints_no_banners(progress_bars_on, tmp_path, capfd):
     # W&B offline (not disabled): its banner and sync hints are what a user without an account sees
-    args = pretrain_args("tiny-mlm", tmp_path / "run", "trainer.max_steps=2", "trainer.val_check_interval=2",
-                         "logger.wandb.mode=offline")
+    args = pretrain_args(
+        "tiny-mlm", tmp_path / "run", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger.wandb.mode=offline"
+    )
     assert main(args) == 0
     err = capfd.readouterr().err
     for banner in ("GPU available", "TPU available", "wandb:", "Generating train split", "LeafSpec", "💡"):

@@ -1,4 +1,4 @@
-"""Streaming runs end to end through the command line (issue #15's three failures): clm and span
+"""Streaming runs end to end through the command line: clm and span
 runs train with sample generation on, evaluate reads a streaming run's validation stream, and a
 stopped streaming run resumes. Each is checked against what it wrote, not only its exit code."""
 
@@ -8,16 +8,20 @@ import json
 import math
 
 import pytest
-
-from lit_transformer.cli import main
-from lit_transformer.rundir import read_metrics
-
 from test_cli import pretrain_args
+
+from lit_transformer.commands.cli import main
+from lit_transformer.training.rundir import read_metrics
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "private_cache"), pytest.mark.slow]
 
-STREAMING = ["data.streaming=true", "data.shuffle_buffer=64", "trainer.max_steps=6", "trainer.val_check_interval=3",
-             "trainer.checkpoint_every_n_steps=3"]
+STREAMING = [
+    "data.streaming=true",
+    "data.shuffle_buffer=64",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "trainer.checkpoint_every_n_steps=3",
+]
 
 
 def train_losses(run_dir) -> list[float]:

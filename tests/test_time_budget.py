@@ -12,29 +12,46 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import StopAt, losses, tiny_config
 from lightning.pytorch.callbacks import Callback
 
-from lit_transformer.config import RecipeError, load_recipe
+from lit_transformer.commands.train import train
 from lit_transformer.model.transformer import Block
 from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
 from lit_transformer.objectives.optim import (
-    MuonWithAdamW, TrainingClock, build_optimizer, lr_multiplier, make_scheduler, parameter_groups,
+    MuonWithAdamW,
+    TrainingClock,
+    build_optimizer,
+    lr_multiplier,
+    make_scheduler,
+    parameter_groups,
 )
-from lit_transformer.rundir import read_metrics
-from lit_transformer.runner import train
-from lit_transformer.schema import OptimConfig
-from conftest import StopAt, losses, tiny_config
+from lit_transformer.recipe.load import RecipeError, load_recipe
+from lit_transformer.recipe.schema import OptimConfig
+from lit_transformer.training.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # test_training.py's smallest settings that still train; no W&B, no sample generations
 TINY = [
-    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000", "data.block_size=24", "data.batch_size=3", "model.d_model=24", "model.n_heads=2",
-    "model.d_ff=40", "model.n_layers=1", "model.dropout=0.1", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "trainer.precision=32-true", "trainer.accelerator=cpu",
-    "logger.wandb.mode=disabled", "generation.enabled=false",
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=3",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.dropout=0.1",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.accelerator=cpu",
+    "logger.wandb.mode=disabled",
+    "generation.enabled=false",
 ]
 
 
@@ -95,8 +112,9 @@ def test_constant_and_inverse_sqrt_ignore_the_budget():
     for schedule in ("constant", "inverse_sqrt"):
         optim = OptimConfig(schedule=schedule, warmup_steps=5)
         for step in (0, 3, 50):
-            assert lr_multiplier(step, optim, d_model=64, elapsed=clock.elapsed, max_time=10.0) == \
-                lr_multiplier(step, optim, d_model=64)
+            assert lr_multiplier(step, optim, d_model=64, elapsed=clock.elapsed, max_time=10.0) == lr_multiplier(
+                step, optim, d_model=64
+            )
 
 
 def reference_multiplier(step, optim, max_steps=None, d_model=None):
@@ -104,8 +122,8 @@ def reference_multiplier(step, optim, max_steps=None, d_model=None):
     s = step + 1
     warmup = optim.warmup_steps
     if optim.schedule == "inverse_sqrt":
-        ramp = s * warmup ** -1.5 if warmup > 0 else math.inf
-        return d_model ** -0.5 * min(s ** -0.5, ramp)
+        ramp = s * warmup**-1.5 if warmup > 0 else math.inf
+        return d_model**-0.5 * min(s**-0.5, ramp)
     if s < warmup:
         return s / warmup
     if optim.schedule == "constant":
@@ -125,7 +143,8 @@ def test_without_max_time_the_step_schedule_is_unchanged_bit_for_bit(schedule, w
     clock = SimpleNamespace(elapsed=123.0)  # ignored without max_time
     got = lrs(make_scheduler(one_parameter_sgd(3e-3), optim, 29, 64, clock=clock), 40)
     reference = torch.optim.lr_scheduler.LambdaLR(
-        one_parameter_sgd(3e-3), lambda step: reference_multiplier(step, optim, 29, 64))
+        one_parameter_sgd(3e-3), lambda step: reference_multiplier(step, optim, 29, 64)
+    )
     assert got == lrs(reference, 40)  # exactly: the same floats in the same order
     assert len(set(got)) > 2 or (schedule, warmup) == ("constant", 0)
 
@@ -185,9 +204,18 @@ def test_a_time_budget_ends_the_run_as_a_finished_one(tmp_path):
     validates and saves the final model and metrics.json; the learning rate decays with time."""
     probe = ClockProbe()
     run = tmp_path / "run"
-    metrics = train(clm_config(run, "trainer.max_time=5", "trainer.max_steps=100000", "optim.warmup_steps=3",
-                               "trainer.val_check_interval=100000", "trainer.checkpoint_every_n_steps=100000"),
-                    callbacks=[probe], progress_bar=False)
+    metrics = train(
+        clm_config(
+            run,
+            "trainer.max_time=5",
+            "trainer.max_steps=100000",
+            "optim.warmup_steps=3",
+            "trainer.val_check_interval=100000",
+            "trainer.checkpoint_every_n_steps=100000",
+        ),
+        callbacks=[probe],
+        progress_bar=False,
+    )
     steps = len(probe.marks)
     assert 10 < steps < 100000
     assert probe.final >= 5.0 and all(m < 5.0 for m in probe.marks[:-1])  # the last step spent it
@@ -198,8 +226,13 @@ def test_a_time_budget_ends_the_run_as_a_finished_one(tmp_path):
     assert checkpoint["global_step"] == steps and checkpoint["train_seconds"] >= 5.0
     lr = [r["train/lr"] for r in read_metrics(run) if "train/lr" in r]
     peak = 1e-3  # recipes/base/tiny.yaml
-    assert lr[:3] == pytest.approx([peak / 3, 2 * peak / 3, peak * lr_multiplier(2, OptimConfig(
-        lr=peak, warmup_steps=3), elapsed=probe.marks[1], max_time=5.0)])
+    assert lr[:3] == pytest.approx(
+        [
+            peak / 3,
+            2 * peak / 3,
+            peak * lr_multiplier(2, OptimConfig(lr=peak, warmup_steps=3), elapsed=probe.marks[1], max_time=5.0),
+        ]
+    )
     assert all(b <= a for a, b in zip(lr[2:], lr[3:]))  # after warmup: down with the clock
     assert lr[-1] < 0.2 * peak  # near the floor (min_lr_ratio 0.1) at the end of the budget
 
@@ -210,13 +243,27 @@ def test_the_speedrun_recipe_trains_for_its_budget_and_finishes(tmp_path):
     """recipes/speedrun-clm.yaml as it stands (Muon, QK-norm, ReLU^2, tied head, schedule to
     the budget), on a small slice of the embedded corpus with a 4-second budget."""
     run = tmp_path / "speedrun"
-    cfg = load_recipe(RECIPES / "speedrun-clm.yaml", [
-        "tokenizer.vocab_size=400", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-        "data.max_val_bytes=20000", "data.batch_size=4", "trainer.max_time=4", "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1",
-        "logger.wandb.mode=disabled", f"run.dir={run}"])
+    cfg = load_recipe(
+        RECIPES / "speedrun-clm.yaml",
+        [
+            "tokenizer.vocab_size=400",
+            "tokenizer.max_train_bytes=150000",
+            "data.max_train_bytes=150000",
+            "data.max_val_bytes=20000",
+            "data.batch_size=4",
+            "trainer.max_time=4",
+            "trainer.limit_val_batches=2",
+            "trainer.log_every_n_steps=1",
+            "logger.wandb.mode=disabled",
+            f"run.dir={run}",
+        ],
+    )
     assert (cfg.optim.optimizer, cfg.model.qk_norm, cfg.model.activation, cfg.model.tie_embeddings) == (
-        "muon", True, "relu2", True)
+        "muon",
+        True,
+        "relu2",
+        True,
+    )
     metrics = train(cfg, progress_bar=False)
     assert math.isfinite(metrics["val/bpb"]) and (run / "model.safetensors").is_file()
     steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
@@ -230,13 +277,19 @@ def test_the_speedrun_recipe_trains_for_its_budget_and_finishes(tmp_path):
 def test_muon_takes_exactly_the_block_matrices(arch):
     extra = dict(position="t5_relative") if arch == "encoder_decoder" else {}
     module = {"decoder": CausalLM, "encoder_decoder": Seq2SeqLM}[arch](
-        tiny_config(arch, tie_embeddings=False, **extra), optim=OptimConfig(optimizer="muon"), max_steps=10)
+        tiny_config(arch, tie_embeddings=False, **extra), optim=OptimConfig(optimizer="muon"), max_steps=10
+    )
     optimizer = module.configure_optimizers()["optimizer"]
     assert isinstance(optimizer, MuonWithAdamW)
     muon = {id(p) for g in optimizer.muon.param_groups for p in g["params"]}
     adamw = {id(p) for g in optimizer.adamw.param_groups for p in g["params"]}
-    expected = {id(m.weight) for block in module.modules() if isinstance(block, Block)
-                for m in block.modules() if isinstance(m, torch.nn.Linear)}
+    expected = {
+        id(m.weight)
+        for block in module.modules()
+        if isinstance(block, Block)
+        for m in block.modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     assert muon == expected and not muon & adamw
     assert muon | adamw == {id(p) for p in module.parameters()}
     names = [n for g in optimizer.muon.param_groups for n in g["names"]]
@@ -264,6 +317,7 @@ def test_adamw_alone_is_plain_adamw():
 def test_the_combined_optimizer_steps_both_and_reloads_exactly():
     """Three steps, a state_dict round trip into a fresh optimizer, three more: the same weights
     as six steps straight (the state of both optimizers travels in one torch state_dict)."""
+
     def run(split: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = CausalLM(tiny_config(), optim=OptimConfig(optimizer="muon"), max_steps=6)
@@ -294,8 +348,14 @@ def test_the_combined_optimizer_steps_both_and_reloads_exactly():
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread", "private_cache")
 def test_muon_trains_and_resumes_exactly(tmp_path):
-    common = ["optim.optimizer=muon", "trainer.max_steps=8", "trainer.val_check_interval=4",
-              "trainer.checkpoint_every_n_steps=4", "optim.warmup_steps=2", "optim.lr=1e-2"]
+    common = [
+        "optim.optimizer=muon",
+        "trainer.max_steps=8",
+        "trainer.val_check_interval=4",
+        "trainer.checkpoint_every_n_steps=4",
+        "optim.warmup_steps=2",
+        "optim.lr=1e-2",
+    ]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(clm_config(whole, *common), progress_bar=False)
     train(clm_config(parts, *common), callbacks=[StopAt(4)], progress_bar=False)
@@ -348,9 +408,15 @@ def test_z_loss_values_and_gradients_match_the_definition(eps, bias, fused, monk
     monkeypatch.setattr(fused_loss, "PIECE_BYTES", 4 * V * 3)  # float32 pieces of 3 rows in chunks of 8
     z = 0.01  # large enough to matter at these sizes (PaLM used 1e-4)
     grads = {}
-    for name, fn in [("ref", lambda *a: naive(*a, eps, z)),
-                     ("got", (lambda x, w, b, y: linear_cross_entropy(x, w, b, y, eps, z_loss=z, chunk_rows=8)[0])
-                      if fused else (lambda x, w, b, y: token_cross_entropy(F.linear(x, w, b), y, eps, z)[0]))]:
+    for name, fn in [
+        ("ref", lambda *a: naive(*a, eps, z)),
+        (
+            "got",
+            (lambda x, w, b, y: linear_cross_entropy(x, w, b, y, eps, z_loss=z, chunk_rows=8)[0])
+            if fused
+            else (lambda x, w, b, y: token_cross_entropy(F.linear(x, w, b), y, eps, z)[0]),
+        ),
+    ]:
         x, w, b, labels = leaves(bias)
         loss = fn(x, w, b, labels)
         (2.0 * loss).backward()
@@ -390,14 +456,15 @@ def test_the_objectives_add_z_loss_in_training_only(monkeypatch):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     for cls, arch in ((CausalLM, "decoder"), (MaskedLM, "encoder")):
         torch.manual_seed(0)
-        module = cls(tiny_config(arch, dropout=0.0, attention_dropout=0.0), optim=OptimConfig(z_loss=z),
-                     skip_nonfinite=False)
+        module = cls(
+            tiny_config(arch, dropout=0.0, attention_dropout=0.0), optim=OptimConfig(z_loss=z), skip_nonfinite=False
+        )
         with torch.no_grad():
             logits = module.model(ids, batch["attention_mask"])  # (B, T, V)
         keep = labels != IGNORE_INDEX
         nll = F.cross_entropy(logits[keep], labels[keep])
         expected = nll + z * (torch.logsumexp(logits[keep], -1) ** 2).mean()
-        for fused in ((True, False) if cls is CausalLM else (False,)):
+        for fused in (True, False) if cls is CausalLM else (False,):
             monkeypatch.setattr(cls, "fuse_head_and_loss", lambda self, f=fused: f)
             loss = module.training_step(batch, 0)
             torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
@@ -410,15 +477,18 @@ def test_the_objectives_add_z_loss_in_training_only(monkeypatch):
 # ----------------------------------------------------------------------------- recipe errors
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.max_time=0", r"trainer\.max_time=0\.0 must be positive or null"),
-    ("trainer.max_time=-30", r"trainer\.max_time=-30\.0 must be positive or null"),
-    ("optim.optimizer=sgd", r"optim\.optimizer: Invalid value 'sgd'"),
-    ("optim.optimizer=Muon", r"optim\.optimizer: .*\(did you mean `muon`\?\)"),
-    ("optim.muon_lr=0", r"optim\.muon_lr=0\.0 must be positive"),
-    ("optim.muon_momentum=1", r"optim\.muon_momentum=1\.0 is outside \[0, 1\)"),
-    ("optim.z_loss=-0.1", r"optim\.z_loss=-0\.1 must not be negative"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_time=0", r"trainer\.max_time=0\.0 must be positive or null"),
+        ("trainer.max_time=-30", r"trainer\.max_time=-30\.0 must be positive or null"),
+        ("optim.optimizer=sgd", r"optim\.optimizer: Invalid value 'sgd'"),
+        ("optim.optimizer=Muon", r"optim\.optimizer: .*\(did you mean `muon`\?\)"),
+        ("optim.muon_lr=0", r"optim\.muon_lr=0\.0 must be positive"),
+        ("optim.muon_momentum=1", r"optim\.muon_momentum=1\.0 is outside \[0, 1\)"),
+        ("optim.z_loss=-0.1", r"optim\.z_loss=-0\.1 must not be negative"),
+    ],
+)
 def test_bad_values_are_one_line_errors_naming_the_key(override, message):
     with pytest.raises(RecipeError, match=message) as info:
         load_recipe(RECIPES / "tiny-clm.yaml", [override])
@@ -428,7 +498,11 @@ def test_bad_values_are_one_line_errors_naming_the_key(override, message):
 def test_the_new_keys_have_their_defaults():
     cfg = load_recipe(RECIPES / "tiny-clm.yaml")
     assert cfg.trainer.max_time is None
-    assert (cfg.optim.optimizer, cfg.optim.muon_lr, cfg.optim.muon_momentum, cfg.optim.z_loss) == ("adamw", 0.02,
-                                                                                                  0.95, 0.0)
+    assert (cfg.optim.optimizer, cfg.optim.muon_lr, cfg.optim.muon_momentum, cfg.optim.z_loss) == (
+        "adamw",
+        0.02,
+        0.95,
+        0.0,
+    )
     cfg = load_recipe(RECIPES / "tiny-clm.yaml", ["trainer.max_time=90", "optim.optimizer=muon", "optim.z_loss=1e-4"])
     assert (cfg.trainer.max_time, cfg.optim.optimizer, cfg.optim.z_loss) == (90.0, "muon", 1e-4)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lit_transformer.cli import main
-from lit_transformer.data.config import DataConfig, TokenizerConfig
+from lit_transformer.commands.cli import main
 from lit_transformer.data.module import TextDataModule
 from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
 
 # sentence lengths with a long tail, as in real parallel text (a few sentences 10x the median)
 LENGTHS = np.random.default_rng(0).lognormal(2.3, 0.5, size=997).astype(int) + 1
@@ -66,6 +66,7 @@ def test_resume_skips_exactly_the_consumed_batches():
 
 def test_data_module_refuses_token_batches_of_packed_blocks(tmp_path):
     from lit_transformer.data.errors import DataError
+
     with pytest.raises(DataError, match="data.batch_tokens is for seq2seq and classify; 'clm'"):
         TextDataModule(DataConfig(cache_dir=str(tmp_path), batch_tokens=256), TokenizerConfig(), "clm")
 
@@ -86,13 +87,17 @@ def test_seq2seq_module_batches_by_tokens(tmp_path):
     assert val["input_ids"].shape[0] == cfg.batch_size  # validation keeps batch_size
 
 
-@pytest.mark.parametrize("recipe,extra,message", [
-    ("tiny-clm", [], "data.batch_tokens is for seq2seq and classify"),
-    ("tiny-unilm", [], "data.batch_tokens is not offered in a mixture"),
-    ("tiny-seq2seq", ["data.batch_tokens=0"], "data.batch_tokens=0"),
-])
+@pytest.mark.parametrize(
+    "recipe,extra,message",
+    [
+        ("tiny-clm", [], "data.batch_tokens is for seq2seq and classify"),
+        ("tiny-unilm", [], "data.batch_tokens is not offered in a mixture"),
+        ("tiny-seq2seq", ["data.batch_tokens=0"], "data.batch_tokens=0"),
+    ],
+)
 def test_batch_tokens_refused_where_it_does_not_apply(recipe, extra, message, tmp_path, capsys):
     from test_cli import RECIPES
+
     args = ["pretrain", str(RECIPES / f"{recipe}.yaml"), "data.batch_tokens=512", *extra, f"run.dir={tmp_path / 'r'}"]
     assert main(args) == 2
     assert message in capsys.readouterr().err
@@ -104,11 +109,21 @@ def test_token_batched_run_resumes_exactly(tmp_path, private_cache):
     from conftest import StopAt, losses
     from test_cli import RECIPES, SMALL
 
-    from lit_transformer.config import load_recipe
-    from lit_transformer.runner import train
-    args = [*SMALL, "data.batch_tokens=80", "model.dropout=0.0", "trainer.max_steps=6", "trainer.val_check_interval=3",
-            "trainer.checkpoint_every_n_steps=3", "trainer.num_threads=1", "logger.wandb.mode=disabled",
-            "generation.enabled=false", "trainer.precision=32-true"]
+    from lit_transformer.commands.train import train
+    from lit_transformer.recipe.load import load_recipe
+
+    args = [
+        *SMALL,
+        "data.batch_tokens=80",
+        "model.dropout=0.0",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "trainer.checkpoint_every_n_steps=3",
+        "trainer.num_threads=1",
+        "logger.wandb.mode=disabled",
+        "generation.enabled=false",
+        "trainer.precision=32-true",
+    ]
     recipe = RECIPES / "tiny-seq2seq.yaml"
     train(load_recipe(recipe, [*args, f"run.dir={tmp_path / 'straight'}"]), progress_bar=False)
     resumed = [*args, f"run.dir={tmp_path / 'resumed'}"]

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import StopAt, losses
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
-from lit_transformer.config import load_recipe
-from lit_transformer.rundir import read_metrics
-from lit_transformer.runner import train
-from conftest import StopAt, losses
+from lit_transformer.commands.train import train
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.training.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -25,10 +25,21 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # corpus, blocks of 24 tokens, batch 3, one 24-wide layer. Dropout on, so that resuming has
 # random draws to get right.
 TINY = [
-    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000", "data.block_size=24", "data.batch_size=3", "model.d_model=24", "model.n_heads=2",
-    "model.d_ff=40", "model.n_layers=1", "model.dropout=0.1", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "generation.max_new_tokens=4", "generation.num_prompts=2",
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=3",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.dropout=0.1",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "generation.max_new_tokens=4",
+    "generation.num_prompts=2",
     "trainer.precision=32-true",
 ]
 
@@ -67,8 +78,11 @@ def test_resume_continues_exactly(tmp_path):
     assert valid_checksums(log)
     kinds = [r.WhichOneof("record_type") for r in wandb_records(log)]
     assert kinds.count("run") == 1 and kinds.count("exit") == 1 and kinds[-1] == "exit"
-    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-               for r in wandb_records(log) if r.WhichOneof("record_type") == "history"]
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in wandb_records(log)
+        if r.WhichOneof("record_type") == "history"
+    ]
     logged = {int(h["trainer/global_step"]): h["train/loss"] for h in history if "train/loss" in h}
     assert logged == pytest.approx(expected, rel=1e-6)
     steps = [h["_step"] for h in history]
@@ -84,13 +98,19 @@ class BarProbe(Callback):
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         bar = trainer.progress_bar_callback
         task = bar.train_progress_bar
-        self.seen.append((task.total, task.completed, trainer.global_step,
-                          "tokens/s" in bar.get_metrics(trainer, pl_module)))
+        self.seen.append(
+            (task.total, task.completed, trainer.global_step, "tokens/s" in bar.get_metrics(trainer, pl_module))
+        )
 
 
 def test_progress_bar_counts_optimizer_steps_toward_max_steps(tmp_path):
-    common = ["trainer.max_steps=4", "trainer.accumulate_grad_batches=2", "trainer.val_check_interval=4",
-              "trainer.checkpoint_every_n_steps=2", "logger.wandb.mode=disabled"]
+    common = [
+        "trainer.max_steps=4",
+        "trainer.accumulate_grad_batches=2",
+        "trainer.val_check_interval=4",
+        "trainer.checkpoint_every_n_steps=2",
+        "logger.wandb.mode=disabled",
+    ]
     first, second = BarProbe(), BarProbe()
     train(clm_config(tmp_path / "run", *common), callbacks=[first, StopAt(2)])
     train(clm_config(tmp_path / "run", *common, "resume=auto"), callbacks=[second])
@@ -110,11 +130,12 @@ def test_resume_path_and_missing_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- W&B offline files
 
+
 def chunks(path):
     """(checksum, type, data) of each chunk of a W&B transaction log (.wandb): LevelDB-style
     32 KiB blocks of chunks with a 7-byte header (CRC-32 of the type byte and the data, length,
     type: 1 full, 2 first, 3 middle, 4 last) after the file's 7-byte ':W&B' header. Written from
-    the format, apart from lit_transformer.wandb_offline, which it checks."""
+    the format, apart from lit_transformer.training.wandb_offline, which it checks."""
     data = Path(path).read_bytes()
     assert data[:4] == b":W&B"
     pos = 7
@@ -123,11 +144,11 @@ def chunks(path):
         if left < 7:
             pos += left
             continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:  # zero padding at the end of a block
             pos += left
             continue
-        yield checksum, kind, data[pos + 7:pos + 7 + length]
+        yield checksum, kind, data[pos + 7 : pos + 7 + length]
         pos += 7 + length
 
 
@@ -151,15 +172,18 @@ def valid_checksums(path) -> bool:
 
 def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):
     run_dir = tmp_path / "run"
-    metrics = train(clm_config(run_dir, "trainer.max_steps=4", "trainer.val_check_interval=2",
-                               "logger.wandb.tags=[tiny,test]"), progress_bar=False)
+    metrics = train(
+        clm_config(run_dir, "trainer.max_steps=4", "trainer.val_check_interval=2", "logger.wandb.tags=[tiny,test]"),
+        progress_bar=False,
+    )
     (log,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
     history, config, run = [], {}, None
     for record in wandb_records(log):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
         elif kind == "run":
             run = record.run
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
@@ -190,15 +214,15 @@ def test_disabled_wandb_writes_no_files(tmp_path):
 
 
 def test_wandb_online_without_credentials_goes_offline(monkeypatch, tmp_path):
-    from lit_transformer import training
+    from lit_transformer.training import trainer
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    assert training.wandb_mode("online") == "offline"
-    assert training.wandb_mode("disabled") is None
+    assert trainer.wandb_mode("online") == "offline"
+    assert trainer.wandb_mode("disabled") is None
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert training.wandb_mode("online") == "online"
+    assert trainer.wandb_mode("online") == "online"
 
 
 def test_read_metrics_prefers_the_later_segment(tmp_path):

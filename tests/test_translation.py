@@ -1,4 +1,4 @@
-"""Translation end to end (issue 13): batched beam search equals one sentence at a time, GNMT
+"""Translation end to end: batched beam search equals one sentence at a time, GNMT
 length normalisation, `generate --input` in input order, context limits said out loud,
 checkpoint averaging, and evaluate's BLEU equal to sacrebleu on `generate --input`'s output.
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_config
 
-from lit_transformer.cli import main
+from lit_transformer.commands.cli import main
 from lit_transformer.model import LanguageModel
 from lit_transformer.model.generate import generate
 
@@ -45,7 +44,7 @@ def padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(rows), T), PAD, dtype=torch.long)
     mask = torch.zeros(len(rows), T, dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     return ids, mask
 
 
@@ -65,8 +64,15 @@ def new_tokens(model, out: torch.Tensor, width: int, row: int) -> list[int]:
 def test_batched_beam_search_equals_one_at_a_time(arch, normalization, alpha):
     model = make_model(arch)
     rows = batch()
-    options = dict(max_new_tokens=9, num_beams=3, length_penalty=alpha, length_normalization=normalization,
-                   eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=PAD)
+    options = dict(
+        max_new_tokens=9,
+        num_beams=3,
+        length_penalty=alpha,
+        length_normalization=normalization,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        decoder_start_token_id=PAD,
+    )
     ids, mask = padded(rows)
     together = generate(model, ids, mask, **options)
     for i, row in enumerate(rows):
@@ -89,8 +95,14 @@ def test_gnmt_normalisation_prefers_longer_hypotheses_than_none():
     divides by ((5 + |Y|) / 6) ** alpha, so hypotheses can only get longer on average."""
     model = make_model("encoder_decoder", seed=5)
     ids, mask = padded(batch((6, 4, 5, 3, 7, 2), seed=6))
-    common = dict(max_new_tokens=12, num_beams=4, eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=PAD,
-                  length_normalization="gnmt")
+    common = dict(
+        max_new_tokens=12,
+        num_beams=4,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        decoder_start_token_id=PAD,
+        length_normalization="gnmt",
+    )
     short = generate(model, ids, mask, length_penalty=0.0, **common)
     long = generate(model, ids, mask, length_penalty=2.0, **common)
     length = lambda out: sum(len(new_tokens(model, out, 0, i)) for i in range(out.shape[0]))  # noqa: E731
@@ -111,13 +123,27 @@ def tiny_runs(tmp_path_factory):
     mp.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    extra = {"tiny-seq2seq": ["trainer.max_steps=6", "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=3",
-                              "trainer.val_check_interval=6", "tokenizer.vocab_size=400"],
-             "tiny-clm": ["tokenizer.vocab_size=400"]}
+    extra = {
+        "tiny-seq2seq": [
+            "trainer.max_steps=6",
+            "trainer.checkpoint_every_n_steps=2",
+            "trainer.keep_checkpoints=3",
+            "trainer.val_check_interval=6",
+            "tokenizer.vocab_size=400",
+        ],
+        "tiny-clm": ["tokenizer.vocab_size=400"],
+    }
     try:
         for name, more in extra.items():
-            args = ["pretrain", str(RECIPES / f"{name}.yaml"), *SMALL, *more, "optim.lr=1e-5", "model.init_std=0.3",
-                    f"run.dir={root / name}"]
+            args = [
+                "pretrain",
+                str(RECIPES / f"{name}.yaml"),
+                *SMALL,
+                *more,
+                "optim.lr=1e-5",
+                "model.init_std=0.3",
+                f"run.dir={root / name}",
+            ]
             assert main(args) == 0
     finally:
         torch.set_num_threads(threads)
@@ -135,12 +161,25 @@ def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path,
     lines = [" ".join(rng.choice(words) for _ in range(n)) for n in (9, 1, 5, 12, 3, 7, 2, 10)]
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n")
-    from lit_transformer import batch_generate
+    from lit_transformer.commands import batch_generate
 
     for beams in ("1", "3"):
         out = tmp_path / f"out{beams}.txt"
-        argv = ["generate", str(tiny_runs[name]), "--input", str(source), "--output", str(out), "--batch-size", "3",
-                "--max-new-tokens", "6", "--greedy", "--num-beams", beams]
+        argv = [
+            "generate",
+            str(tiny_runs[name]),
+            "--input",
+            str(source),
+            "--output",
+            str(out),
+            "--batch-size",
+            "3",
+            "--max-new-tokens",
+            "6",
+            "--greedy",
+            "--num-beams",
+            beams,
+        ]
         chunk = batch_generate.CHUNK_LINES
         batch_generate.CHUNK_LINES = 4  # several chunks: sorting happens inside each
         try:
@@ -151,8 +190,22 @@ def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path,
         assert got[-1] == "" and len(got) == len(lines) + 1
         assert len(set(got)) > 3  # outputs that differ, so that an order mix-up shows
         for line, output in zip(lines, got):
-            assert main(["generate", str(tiny_runs[name]), "--prompt", line, "--max-new-tokens", "6", "--greedy",
-                         "--num-beams", beams]) == 0
+            assert (
+                main(
+                    [
+                        "generate",
+                        str(tiny_runs[name]),
+                        "--prompt",
+                        line,
+                        "--max-new-tokens",
+                        "6",
+                        "--greedy",
+                        "--num-beams",
+                        beams,
+                    ]
+                )
+                == 0
+            )
             assert batch_generate.one_line(capsys.readouterr().out[:-1]) == output
 
 
@@ -172,9 +225,9 @@ def test_generate_input_jsonl_column_and_bad_inputs(tiny_runs, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
-    from lit_transformer.batch_generate import BatchGenerator, Decoding
-    from lit_transformer.inference import batch_generator
-    from lit_transformer.prompts import complete, encode_prompt
+    from lit_transformer.commands.batch_generate import BatchGenerator, Decoding
+    from lit_transformer.commands.inference import batch_generator
+    from lit_transformer.commands.prompts import complete, encode_prompt
 
     run = str(tiny_runs["tiny-clm"])
     text = " ".join(f"value_{i} = read(path, {i})" for i in range(40))  # far more than 32 tokens
@@ -184,8 +237,15 @@ def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
     ids = encode_prompt(text, generate_text.tokenizer, generate_text.special, "continue")
     assert f"input 1 has {len(ids)} tokens, more than the model's context (32) holds: kept its last 24" in err
     tail = ids[-24:]
-    (expected,) = complete(generate_text.model, generate_text.tokenizer, generate_text.special, "continue", [tail],
-                           max_new_tokens=8, do_sample=False)
+    (expected,) = complete(
+        generate_text.model,
+        generate_text.tokenizer,
+        generate_text.special,
+        "continue",
+        [tail],
+        max_new_tokens=8,
+        do_sample=False,
+    )
     assert got == expected
     # asking for more new tokens than the context holds: capped, and said
     assert main(["generate", run, "--prompt", "def ", "--max-new-tokens", "100000", "--greedy"]) == 0
@@ -194,9 +254,9 @@ def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
 
 @pytest.mark.slow
 def test_average_is_the_elementwise_mean_and_one_is_the_identity(tiny_runs, tmp_path, capsys):
-    from lit_transformer.averaging import average_state_dicts, last_checkpoints
-    from lit_transformer.checkpointing import read_checkpoint
+    from lit_transformer.commands.average import average_state_dicts, last_checkpoints
     from lit_transformer.model.interop import read_safetensors
+    from lit_transformer.training.checkpoints import read_checkpoint
 
     run = tiny_runs["tiny-seq2seq"]
     paths = last_checkpoints(run, 2)
@@ -230,11 +290,37 @@ def test_evaluate_bleu_equals_sacrebleu_on_generate_output(beams, tiny_runs, tmp
     (tmp_path / "ref.txt").write_text("".join(p["target"] + "\n" for p in pairs))
     run = str(tiny_runs["tiny-seq2seq"])
     options = ["--num-beams", beams, "--length-penalty", "0.6", "--max-new-tokens", "7", "--batch-size", "4"]
-    assert main(["evaluate", run, "--data", str(tmp_path / "src.txt"), "--data-target", str(tmp_path / "ref.txt"),
-                 "--json", *options]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                run,
+                "--data",
+                str(tmp_path / "src.txt"),
+                "--data-target",
+                str(tmp_path / "ref.txt"),
+                "--json",
+                *options,
+            ]
+        )
+        == 0
+    )
     metrics = json.loads(capsys.readouterr().out)
-    assert main(["generate", run, "--input", str(tmp_path / "src.txt"), "--output", str(tmp_path / "hyp.txt"),
-                 "--greedy", *options]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                run,
+                "--input",
+                str(tmp_path / "src.txt"),
+                "--output",
+                str(tmp_path / "hyp.txt"),
+                "--greedy",
+                *options,
+            ]
+        )
+        == 0
+    )
     hypotheses = (tmp_path / "hyp.txt").read_text().splitlines()
     references = [p["target"] for p in pairs]
     assert metrics["sentences"] == 13

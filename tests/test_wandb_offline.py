@@ -10,7 +10,7 @@ from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-from lit_transformer.wandb_offline import BLOCK, fold_segments, read_records, write_records
+from lit_transformer.training.wandb_offline import BLOCK, fold_segments, read_records, write_records
 
 HEADER = b":W&B\xe1\xbe\x00"
 
@@ -50,19 +50,21 @@ def test_records_round_trip_across_blocks_with_valid_checksums(tmp_path):
         if BLOCK - pos % BLOCK < 7:
             pos += BLOCK - pos % BLOCK
             continue
-        checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        assert zlib.crc32(data[pos + 7:pos + 7 + length], zlib.crc32(bytes([kind]))) == checksum
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        assert zlib.crc32(data[pos + 7 : pos + 7 + length], zlib.crc32(bytes([kind]))) == checksum
         kinds.append(kind)
         pos += 7 + length
     assert kinds[:5] == [2, 3, 3, 4, 1]  # the big record spans four blocks: first, middle, middle, last
 
 
 def test_segments_fold_into_the_first_as_one_continuous_run(tmp_path):
-    first = segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 3.0),
-                                                  record("history", 1, 2.5), record("exit")])
+    first = segment(
+        tmp_path,
+        "20260101_000000",
+        [record("header"), record("run"), record("history", 0, 3.0), record("history", 1, 2.5), record("exit")],
+    )
     segment(tmp_path, "20260101_000100", [record("header"), record("run"), record("history", 0, 2.0)])  # killed
-    segment(tmp_path, "20260101_000200", [record("header"), record("run"), record("history", 0, 1.5),
-                                          record("exit")])
+    segment(tmp_path, "20260101_000200", [record("header"), record("run"), record("history", 0, 1.5), record("exit")])
     (tmp_path / "latest-run").symlink_to("offline-run-20260101_000200-abc")
     assert fold_segments(tmp_path, "abc", wait_s=0) == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest-run", first.name]
@@ -84,12 +86,21 @@ def test_segments_fold_into_the_first_as_one_continuous_run(tmp_path):
 def test_a_segment_started_in_the_same_second_is_folded_too(tmp_path):
     """wandb names a second folder started within the same second `...-abc-1`: a resume that
     quick (a fast machine, a short run) still ends as one folder, in start order."""
-    first = segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 3.0),
-                                                  record("exit")])
-    segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 2.0),
-                                          record("exit")], suffix="-1")
-    segment(tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 1.0),
-                                          record("exit")], suffix="-2")
+    first = segment(
+        tmp_path, "20260101_000000", [record("header"), record("run"), record("history", 0, 3.0), record("exit")]
+    )
+    segment(
+        tmp_path,
+        "20260101_000000",
+        [record("header"), record("run"), record("history", 0, 2.0), record("exit")],
+        suffix="-1",
+    )
+    segment(
+        tmp_path,
+        "20260101_000000",
+        [record("header"), record("run"), record("history", 0, 1.0), record("exit")],
+        suffix="-2",
+    )
     assert fold_segments(tmp_path, "abc", wait_s=0) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
     losses = []

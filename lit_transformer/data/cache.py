@@ -16,14 +16,13 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
 CACHE_VERSION = 1  # bump when the layout or the tokenization rules change
 
 
-def cache_root(cache_dir: Optional[str]) -> Path:
+def cache_root(cache_dir: str | None) -> Path:
     if cache_dir:
         return Path(cache_dir).expanduser()
     env = os.environ.get("LIT_TRANSFORMER_CACHE")
@@ -66,7 +65,7 @@ class CacheWriter:
         self.arrays[name] = _ArrayFile(self.tmp / f"{name}.bin", dtype, tuple(inner_shape))
         return self.arrays[name]
 
-    def commit(self, meta: dict) -> "CacheEntry":
+    def commit(self, meta: dict) -> CacheEntry:
         meta = dict(meta, arrays={name: a.spec() for name, a in self.arrays.items()}, version=CACHE_VERSION)
         with open(self.tmp / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
@@ -108,7 +107,7 @@ class CacheEntry:
         return self.arrays[name]
 
 
-def open_cache(root: Path, key: str) -> Optional[CacheEntry]:
+def open_cache(root: Path, key: str) -> CacheEntry | None:
     """The committed entry for `key`, or None (a missing meta.json means not committed)."""
     path = Path(root) / key
     try:

@@ -20,7 +20,7 @@ Batch keys (B batch, T length; training code relies on these names):
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -90,8 +90,9 @@ def positions_in_documents(doc_ids: torch.Tensor) -> torch.Tensor:
     return index - torch.where(first, index, 0).cummax(1).values
 
 
-def with_documents(batch: dict[str, torch.Tensor], full_ids: torch.Tensor, separator_id: int | None,
-                   width: int) -> dict[str, torch.Tensor]:
+def with_documents(
+    batch: dict[str, torch.Tensor], full_ids: torch.Tensor, separator_id: int | None, width: int
+) -> dict[str, torch.Tensor]:
     """Add document_ids and position_ids (B, width) computed over `full_ids` (the unmasked rows)."""
     doc = document_ids(full_ids, separator_id)[:, :width]
     batch["document_ids"] = doc
@@ -132,9 +133,17 @@ class MLMCollator:
     of those, `mask_replace_prob` become the mask token, `random_replace_prob` a random
     non-special token, the rest stay. Special tokens and padding are never selected."""
 
-    def __init__(self, *, special: SpecialTokens, vocab_size: int, probability: float = 0.15,
-                 mask_replace_prob: float = 0.8, random_replace_prob: float = 0.1,
-                 word_starts: Optional[torch.Tensor] = None, document_mask: bool = False):
+    def __init__(
+        self,
+        *,
+        special: SpecialTokens,
+        vocab_size: int,
+        probability: float = 0.15,
+        mask_replace_prob: float = 0.8,
+        random_replace_prob: float = 0.1,
+        word_starts: torch.Tensor | None = None,
+        document_mask: bool = False,
+    ):
         if special.mask_id is None:
             raise DataError("masked LM needs a mask token ([MASK] or <mask>) in the tokenizer")
         self.special = special

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from lit_transformer.data import files as F
 from lit_transformer.data import stdlib
-from lit_transformer.data.config import LM_OBJECTIVES, DataConfig, check_objective
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
+from lit_transformer.data.settings import LM_OBJECTIVES, DataConfig, check_objective
 
 
 def objective_kind(objective: str) -> str:
@@ -53,7 +54,7 @@ class SplitSource:
         return self._iterate(stats)
 
 
-def build_sources(cfg: DataConfig, objective: str, *, streaming: Optional[bool] = None) -> dict[str, SplitSource]:
+def build_sources(cfg: DataConfig, objective: str, *, streaming: bool | None = None) -> dict[str, SplitSource]:
     kind = objective_kind(objective)
     streaming = cfg.streaming if streaming is None else streaming
     if cfg.hub_name:
@@ -72,26 +73,33 @@ def _embedded_sources(cfg: DataConfig, kind: str) -> dict[str, SplitSource]:
     out = {}
     if kind == "lm":
         for split in ("train", "validation"):
+
             def iterate(stats, split=split):
                 for _, path in stdlib.corpus_split(split, cfg.val_fraction or 0.02):
                     stats.files.append(str(path))
                     yield from F.iter_text_documents(path, "file", cfg.max_line_bytes, stats)
 
             out[split] = SplitSource(
-                split, kind, f"embedded stdlib corpus ({split})",
+                split,
+                kind,
+                f"embedded stdlib corpus ({split})",
                 lambda: ["stdlib", stdlib.corpus_fingerprint(cfg.val_fraction or 0.02), cfg.max_line_bytes],
                 _capped(iterate, cfg, split),
             )
         return out
     examples = stdlib.classification_examples if kind == "classify" else stdlib.seq2seq_examples
     for split in ("train", "validation", "test"):
+
         def iterate(stats, split=split):
             for ex in examples()[split]:
                 yield (ex["text"], None, ex["label"]) if kind == "classify" else (ex["source"], ex["target"])
 
         out[split] = SplitSource(
-            split, kind, f"embedded stdlib {kind} task ({split})",
-            lambda: stdlib.task_fingerprint(kind), _capped(iterate, cfg, split),
+            split,
+            kind,
+            f"embedded stdlib {kind} task ({split})",
+            lambda: stdlib.task_fingerprint(kind),
+            _capped(iterate, cfg, split),
         )
     return out
 
@@ -103,29 +111,35 @@ def _file_sources(cfg: DataConfig, kind: str, streaming: bool) -> dict[str, Spli
     train = F.resolve_files(cfg.train_files, "data.train_files", cfg.format)
     out = {}
     holdout = cfg.val_fraction if not cfg.val_files and cfg.val_fraction > 0 else None
-    out["train"] = _files_source("train", kind, train, cfg, streaming, "data.train_files",
-                                 holdout=(holdout, False) if holdout else None)
+    out["train"] = _files_source(
+        "train", kind, train, cfg, streaming, "data.train_files", holdout=(holdout, False) if holdout else None
+    )
     if cfg.val_files:
         val = F.resolve_files(cfg.val_files, "data.val_files", cfg.format)
         out["validation"] = _files_source("validation", kind, val, cfg, streaming, "data.val_files")
     elif holdout:
-        out["validation"] = _files_source("validation", kind, train, cfg, streaming, "data.train_files",
-                                          holdout=(holdout, True))
+        out["validation"] = _files_source(
+            "validation", kind, train, cfg, streaming, "data.train_files", holdout=(holdout, True)
+        )
     if cfg.test_files and kind != "lm":
         test = F.resolve_files(cfg.test_files, "data.test_files", cfg.format)
         out["test"] = _files_source("test", kind, test, cfg, streaming, "data.test_files")
     return out
 
 
-def _files_source(split, kind, paths: list[Path], cfg: DataConfig, streaming: bool, key: str,
-                  holdout=None) -> SplitSource:
+def _files_source(
+    split, kind, paths: list[Path], cfg: DataConfig, streaming: bool, key: str, holdout=None
+) -> SplitSource:
     fmt = F.split_format(paths, cfg.format, key)
     names = ", ".join(str(p) for p in paths[:3]) + (f" (+{len(paths) - 3} more)" if len(paths) > 3 else "")
     if fmt == "text" and kind != "lm":
         raise DataError(
             f"{key}: {names} are plain text; {kind} data needs jsonl/json/csv/tsv/parquet with "
-            + ("data.text_column and data.label_column" if kind == "classify" else
-               "data.source_column and data.target_column (or data.source_files/target_files)")
+            + (
+                "data.text_column and data.label_column"
+                if kind == "classify"
+                else "data.source_column and data.target_column (or data.source_files/target_files)"
+            )
         )
     columns = _columns(cfg, kind)
 
@@ -135,13 +149,11 @@ def _files_source(split, kind, paths: list[Path], cfg: DataConfig, streaming: bo
             for path in paths:
                 yield from F.iter_text_documents(path, cfg.text_format, cfg.max_line_bytes, stats)
             return
-        table = F.load_table(paths, fmt, key, streaming=streaming, num_proc=cfg.num_proc,
-                             cache_dir=_hf_cache(cfg))
+        table = F.load_table(paths, fmt, key, streaming=streaming, num_proc=cfg.num_proc, cache_dir=_hf_cache(cfg))
         yield from _table_rows(table, kind, columns, names, stats, cfg.task)
 
     def fingerprint():
-        return ["files", F.files_fingerprint(paths), fmt, cfg.text_format, cfg.max_line_bytes, columns,
-                holdout]
+        return ["files", F.files_fingerprint(paths), fmt, cfg.text_format, cfg.max_line_bytes, columns, holdout]
 
     it = _held_out(iterate, kind, *holdout) if holdout else iterate
     return SplitSource(split, kind, names, fingerprint, _capped(it, cfg, split))
@@ -149,8 +161,10 @@ def _files_source(split, kind, paths: list[Path], cfg: DataConfig, streaming: bo
 
 def _aligned_sources(cfg: DataConfig) -> dict[str, SplitSource]:
     out = {}
-    for split, src_key, tgt_key in (("train", "source_files", "target_files"),
-                                    ("validation", "val_source_files", "val_target_files")):
+    for split, src_key, tgt_key in (
+        ("train", "source_files", "target_files"),
+        ("validation", "val_source_files", "val_target_files"),
+    ):
         if not getattr(cfg, src_key):
             continue
         src = F.resolve_files(getattr(cfg, src_key), f"data.{src_key}")
@@ -164,18 +178,29 @@ def _aligned_sources(cfg: DataConfig) -> dict[str, SplitSource]:
                 yield from F.aligned_lines(a, b, cfg.max_line_bytes, stats)
 
         names = ", ".join(f"{a} ~ {b}" for a, b in zip(src, tgt))
-        out[split] = SplitSource(split, "seq2seq", names,
-                                 lambda src=src, tgt=tgt: ["aligned", F.files_fingerprint(src + tgt),
-                                                           cfg.max_line_bytes],
-                                 _capped(iterate, cfg, split))
+        out[split] = SplitSource(
+            split,
+            "seq2seq",
+            names,
+            lambda src=src, tgt=tgt: ["aligned", F.files_fingerprint(src + tgt), cfg.max_line_bytes],
+            _capped(iterate, cfg, split),
+        )
     if "validation" not in out and cfg.val_fraction > 0:
         train = out["train"]
-        out["validation"] = SplitSource("validation", "seq2seq", train.describe,
-                                        lambda: ["holdout", train.fingerprint(), cfg.val_fraction],
-                                        _held_out(train._iterate, "seq2seq", cfg.val_fraction, True))
-        out["train"] = SplitSource("train", "seq2seq", train.describe,
-                                   lambda: ["holdout-train", train.fingerprint(), cfg.val_fraction],
-                                   _held_out(train._iterate, "seq2seq", cfg.val_fraction, False))
+        out["validation"] = SplitSource(
+            "validation",
+            "seq2seq",
+            train.describe,
+            lambda: ["holdout", train.fingerprint(), cfg.val_fraction],
+            _held_out(train._iterate, "seq2seq", cfg.val_fraction, True),
+        )
+        out["train"] = SplitSource(
+            "train",
+            "seq2seq",
+            train.describe,
+            lambda: ["holdout-train", train.fingerprint(), cfg.val_fraction],
+            _held_out(train._iterate, "seq2seq", cfg.val_fraction, False),
+        )
     return out
 
 
@@ -191,6 +216,7 @@ def _hub_sources(cfg: DataConfig, kind: str, streaming: bool) -> dict[str, Split
     if cfg.hub_val_split:
         splits.append(("validation", cfg.hub_val_split))
     for split, hub_split in splits:
+
         def load(hub_split=hub_split):
             return F.load_hub(cfg.hub_name, cfg.hub_config, hub_split, streaming=streaming, cache_dir=_hf_cache(cfg))
 
@@ -202,20 +228,24 @@ def _hub_sources(cfg: DataConfig, kind: str, streaming: bool) -> dict[str, Split
             ds = load()
             return ["hub", cfg.hub_name, cfg.hub_config, hub_split, getattr(ds, "_fingerprint", None), columns]
 
-        out[split] = SplitSource(split, kind, f"{cfg.hub_name} ({hub_split})", fingerprint,
-                                 _capped(iterate, cfg, split))
+        out[split] = SplitSource(
+            split, kind, f"{cfg.hub_name} ({hub_split})", fingerprint, _capped(iterate, cfg, split)
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _columns(cfg: DataConfig, kind: str) -> dict[str, Optional[str]]:
+def _columns(cfg: DataConfig, kind: str) -> dict[str, str | None]:
     if kind == "lm":
         return {"data.text_column": cfg.text_column}
     if kind == "classify":
-        return {"data.text_column": cfg.text_column, "data.text_pair_column": cfg.text_pair_column,
-                "data.label_column": cfg.label_column}
+        return {
+            "data.text_column": cfg.text_column,
+            "data.text_pair_column": cfg.text_pair_column,
+            "data.label_column": cfg.label_column,
+        }
     return {"data.source_column": cfg.source_column, "data.target_column": cfg.target_column}
 
 
@@ -240,8 +270,11 @@ def _table_rows(table, kind, columns, where, stats: ReadStats, task: str) -> Ite
                 continue
             if kind == "classify":
                 text, pair, label = row
-                bad = (not _nonblank(text) or label is None
-                       or (columns["data.text_pair_column"] is not None and not _nonblank(pair)))
+                bad = (
+                    not _nonblank(text)
+                    or label is None
+                    or (columns["data.text_pair_column"] is not None and not _nonblank(pair))
+                )
             else:
                 bad = not _nonblank(row[0]) or not _nonblank(row[1])
             if bad:
@@ -265,6 +298,7 @@ def _held_out(iterate, kind, fraction: float, keep_val: bool):
         for item in iterate(stats):
             if (stdlib.hash_fraction(_text_of(item, kind)) < fraction) == keep_val:
                 yield item
+
     return held
 
 
@@ -297,6 +331,7 @@ def _capped(iterate, cfg: DataConfig, split: str):
             yield item
             if max_docs is not None and stats.documents >= max_docs:
                 return
+
     return capped
 
 

@@ -6,14 +6,6 @@ the recipe without reading a traceback.
 
 from __future__ import annotations
 
-import difflib
-
 
 class DataError(ValueError):
     """Bad data or data settings: a missing path, an empty or binary file, a missing column, ..."""
-
-
-def closest(name: str, valid) -> str:
-    """' (did you mean `x`?)' for the nearest valid name, or '' when nothing is close."""
-    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.5)
-    return f" (did you mean `{match[0]}`?)" if match else ""

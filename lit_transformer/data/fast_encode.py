@@ -30,7 +30,6 @@ import functools
 import itertools
 import json
 import re
-from typing import Optional
 
 import numpy as np
 from tokenizers import Tokenizer, models
@@ -59,32 +58,42 @@ def _grown(array: np.ndarray, size: int) -> np.ndarray:
     if size <= array.size:
         return array
     out = np.empty(max(size, 2 * array.size), dtype=array.dtype)
-    out[:array.size] = array
+    out[: array.size] = array
     return out
 
 
 class WordEncoder:
     """Packs documents like `pack.encode_documents`, with per-word ids cached between batches."""
 
-    def __init__(self, encoder: Tokenizer, separator_id: int, guard: Optional[re.Pattern] = None,
-                 max_words: int = MAX_WORDS):
+    def __init__(
+        self, encoder: Tokenizer, separator_id: int, guard: re.Pattern | None = None, max_words: int = MAX_WORDS
+    ):
         self.encoder, self.separator_id, self.guard, self.max_words = encoder, separator_id, guard, max_words
         self.findall = re.compile(BYTE_LEVEL_PATTERN).findall
         self.slow_documents = 0  # documents that went through encode_batch_fast (they hold an added token)
         self._reset()
 
     @classmethod
-    def create(cls, encoder: Tokenizer, separator_id: int) -> Optional["WordEncoder"]:
+    def create(cls, encoder: Tokenizer, separator_id: int) -> WordEncoder | None:
         """A WordEncoder when `encoder` is exactly the trained byte-level BPE shape, else None."""
         text = encoder.to_str()
         d = json.loads(text)
         model = d.get("model") or {}
-        if (model.get("type") != "BPE" or model.get("dropout") or d.get("normalizer") is not None
-                or d.get("post_processor") is not None or d.get("truncation") is not None
-                or d.get("padding") is not None or d.get("pre_tokenizer") != _expected_pre_tokenizer()):
+        if (
+            model.get("type") != "BPE"
+            or model.get("dropout")
+            or d.get("normalizer") is not None
+            or d.get("post_processor") is not None
+            or d.get("truncation") is not None
+            or d.get("padding") is not None
+            or d.get("pre_tokenizer") != _expected_pre_tokenizer()
+        ):
             return None
-        cut = [t["content"] for t in d.get("added_tokens", [])
-               if t["content"] and not (t["special"] and encoder.encode_special_tokens)]
+        cut = [
+            t["content"]
+            for t in d.get("added_tokens", [])
+            if t["content"] and not (t["special"] and encoder.encode_special_tokens)
+        ]
         # longest first, so that an alternation never stops at a shorter token's prefix
         guard = re.compile("|".join(map(re.escape, sorted(set(cut), key=len, reverse=True)))) if cut else None
         # A copy with the library's default 10k-word BPE cache: the word table is the cache here,
@@ -107,19 +116,21 @@ class WordEncoder:
         # and `word_ids` tells which word each id comes from. Half the CPU time of one
         # `encode_batch_fast` item per word (measured: 0.11-0.15 s against 0.29-0.30 s for
         # WikiText-2's 18k distinct words), whose cost is mostly per item, not per id.
-        chunks = [words[i:i + ENCODE_CHUNK] for i in range(0, len(words), ENCODE_CHUNK)]
+        chunks = [words[i : i + ENCODE_CHUNK] for i in range(0, len(words), ENCODE_CHUNK)]
         encodings = self.encoder.encode_batch(chunks, is_pretokenized=True, add_special_tokens=False)
         tokens = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64)
-        word_of = np.fromiter(itertools.chain.from_iterable(
-            (w + k * ENCODE_CHUNK for w in e.word_ids) for k, e in enumerate(encodings)), dtype=np.int64)
+        word_of = np.fromiter(
+            itertools.chain.from_iterable((w + k * ENCODE_CHUNK for w in e.word_ids) for k, e in enumerate(encodings)),
+            dtype=np.int64,
+        )
         lens = np.bincount(word_of, minlength=len(words))  # ids per word, in the order of `words`
         row, pos = len(self.index), self.used
         self.lens = _grown(self.lens, row + len(words))
         self.starts = _grown(self.starts, row + len(words))
         self.table = _grown(self.table, pos + tokens.size)
-        self.lens[row:row + len(words)] = lens
-        self.starts[row:row + len(words)] = pos + np.cumsum(lens, dtype=np.int64) - lens
-        self.table[pos:pos + tokens.size] = tokens
+        self.lens[row : row + len(words)] = lens
+        self.starts[row : row + len(words)] = pos + np.cumsum(lens, dtype=np.int64) - lens
+        self.table[pos : pos + tokens.size] = tokens
         self.used = pos + tokens.size
         self.index.update(zip(words, range(row, row + len(words))))
 
@@ -152,7 +163,8 @@ class WordEncoder:
             ids = [e.ids for e in self.encoder.encode_batch_fast([docs[i] for i in slow], add_special_tokens=False)]
             n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
             at = np.repeat((doc_ends - lengths)[slow], n)  # before the document's separator, in order
-            flat = np.insert(flat, at, np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
-                                                   count=int(n.sum())))
+            flat = np.insert(
+                flat, at, np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(n.sum()))
+            )
             lengths[slow] += n
         return flat, lengths

@@ -26,15 +26,24 @@ import glob
 import os
 import socket
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
 
 from lit_transformer.data.errors import DataError
 
 EXTENSIONS = {
-    ".txt": "text", ".text": "text", ".md": "text", ".py": "text", ".raw": "text", ".tokens": "text",
-    ".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".py": "text",
+    ".raw": "text",
+    ".tokens": "text",
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
 }
 BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet"}
 BINARY_PROBE_BYTES = 1024
@@ -130,7 +139,7 @@ def decode(raw: bytes, stats: ReadStats) -> str:
         return text
 
 
-def iter_lines(path: Path, max_line_bytes: int, stats: ReadStats) -> Iterator[Optional[str]]:
+def iter_lines(path: Path, max_line_bytes: int, stats: ReadStats) -> Iterator[str | None]:
     """Each line of a file without its '\\n' (the last one may be ''), None for a skipped long line.
 
     Reads in 1 MiB chunks, so memory stays bounded by `max_line_bytes` whatever the file size.
@@ -230,8 +239,15 @@ def count_lines(path: Path) -> int:
     return n + (last != b"\n")
 
 
-def load_table(paths: list[Path], fmt: str, key: str, *, streaming: bool = False,
-               num_proc: Optional[int] = None, cache_dir: Optional[str] = None):
+def load_table(
+    paths: list[Path],
+    fmt: str,
+    key: str,
+    *,
+    streaming: bool = False,
+    num_proc: int | None = None,
+    cache_dir: str | None = None,
+):
     """A `datasets` Dataset (or IterableDataset) of jsonl/json/csv/tsv/parquet files."""
     import datasets
 
@@ -240,8 +256,9 @@ def load_table(paths: list[Path], fmt: str, key: str, *, streaming: bool = False
         kwargs.update(num_proc=num_proc, cache_dir=cache_dir)
     try:
         with quiet_datasets():
-            return datasets.load_dataset(BUILDERS[fmt], data_files=[str(p) for p in paths], split="train",
-                                         streaming=streaming, **kwargs)
+            return datasets.load_dataset(
+                BUILDERS[fmt], data_files=[str(p) for p in paths], split="train", streaming=streaming, **kwargs
+            )
     except DataError:
         raise
     except Exception as exc:  # pyarrow / pandas parse errors: name the files
@@ -268,13 +285,11 @@ def quiet_datasets():
             datasets.utils.logging.enable_progress_bar()
 
 
-def require_columns(column_names, wanted: dict[str, Optional[str]], where: str) -> None:
+def require_columns(column_names, wanted: dict[str, str | None], where: str) -> None:
     """`wanted` maps config keys (data.text_column ...) to column names; None means unused."""
     for config_key, column in wanted.items():
         if column is not None and column not in column_names:
-            raise DataError(
-                f"{where}: no column {column!r} ({config_key}); available columns: {sorted(column_names)}"
-            )
+            raise DataError(f"{where}: no column {column!r} ({config_key}); available columns: {sorted(column_names)}")
 
 
 def hub_available(name: str) -> None:
@@ -297,7 +312,7 @@ def hub_available(name: str) -> None:
         ) from exc
 
 
-def load_hub(name: str, config: Optional[str], split: str, *, streaming: bool, cache_dir: Optional[str]):
+def load_hub(name: str, config: str | None, split: str, *, streaming: bool, cache_dir: str | None):
     import datasets
 
     hub_available(name)

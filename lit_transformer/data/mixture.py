@@ -24,22 +24,22 @@ import dataclasses
 import hashlib
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_transformer.data.cache import cache_root
 from lit_transformer.data.collate import example_generators
-from lit_transformer.data.config import DataConfig, TokenizerConfig
 from lit_transformer.data.corpus import build_sources, objective_kind
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.module import EpochLoader, RankedDataModule, TextDataModule
 from lit_transformer.data.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.prepare import Prepared, resolve_tokenizer, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
 from lit_transformer.data.tokenizer import SpecialTokens, check_extra_special_tokens, save_tokenizer
 
 RATE_METHODS = ("weights", "proportional", "temperature")
@@ -49,8 +49,14 @@ PIPELINES = ("mlm", "clm", "span", "seq2seq")
 PREFIX_PIPELINES = {"decoder": "clm", "encoder_decoder": "mlm"}
 
 
-def mixture_rates(sizes: Sequence[int], method: str, *, weights: Optional[Sequence[float]] = None,
-                  cap: Optional[int] = None, temperature: float = 1.0) -> list[float]:
+def mixture_rates(
+    sizes: Sequence[int],
+    method: str,
+    *,
+    weights: Sequence[float] | None = None,
+    cap: int | None = None,
+    temperature: float = 1.0,
+) -> list[float]:
     """Each task's share of the optimizer steps, summing to 1.
 
     weights:      w_i / sum_j w_j (weights=None: equal shares)
@@ -112,19 +118,28 @@ class MixtureBatchSampler(DistributedSampler):
     sets where every later iteration starts (default: the beginning).
     """
 
-    def __init__(self, samplers: Sequence[ResumableBatchSampler], rates: Sequence[float], *, seed: int = 0,
-                 accumulate: int = 1):
+    def __init__(
+        self, samplers: Sequence[ResumableBatchSampler], rates: Sequence[float], *, seed: int = 0, accumulate: int = 1
+    ):
         if not samplers or len(samplers) != len(rates):
             raise ValueError(f"MixtureBatchSampler: {len(samplers)} samplers for {len(rates)} rates")
         if isinstance(accumulate, bool) or int(accumulate) != accumulate or accumulate < 1:
             raise ValueError(f"MixtureBatchSampler: accumulate={accumulate!r} must be a positive integer")
         first = samplers[0]
-        super().__init__(range(0), num_replicas=first.num_replicas, rank=first.rank,
-                         shuffle=any(s.shuffle for s in samplers), seed=seed, drop_last=True)
+        super().__init__(
+            range(0),
+            num_replicas=first.num_replicas,
+            rank=first.rank,
+            shuffle=any(s.shuffle for s in samplers),
+            seed=seed,
+            drop_last=True,
+        )
         for t, (s, rate) in enumerate(zip(samplers, rates)):
             if (s.num_replicas, s.rank) != (first.num_replicas, first.rank) or not s.drop_last:
-                raise ValueError(f"MixtureBatchSampler: task {t}'s sampler must be drop_last and on rank "
-                                 f"{first.rank} of {first.num_replicas}, as task 0's")
+                raise ValueError(
+                    f"MixtureBatchSampler: task {t}'s sampler must be drop_last and on rank "
+                    f"{first.rank} of {first.num_replicas}, as task 0's"
+                )
             if rate > 0 and len(s) == 0:
                 raise ValueError(f"MixtureBatchSampler: task {t} is drawn (rate {rate:.3g}) but has no full batch")
         self.samplers, self.rates, self.accumulate = list(samplers), [float(r) for r in rates], int(accumulate)
@@ -156,7 +171,7 @@ class MixtureBatchSampler(DistributedSampler):
         if cached is None or cached[0] != epoch:
             cached = self._shards[t] = (epoch, sampler.shard(epoch))
         size = sampler.batch_size
-        return epoch, index, tuple(int(i) for i in cached[1][index * size:(index + 1) * size])
+        return epoch, index, tuple(int(i) for i in cached[1][index * size : (index + 1) * size])
 
 
 @dataclass
@@ -168,7 +183,7 @@ class MixtureTask:
     pipeline: str  # the TextDataModule objective that caches and collates its data: mlm | clm | span | seq2seq
     data: DataConfig
     prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix
-    mode_token: Optional[str] = None  # put before every input (UL2's [NLU], [NLG], [S2S])
+    mode_token: str | None = None  # put before every input (UL2's [NLU], [NLG], [S2S])
 
     def __post_init__(self):
         if self.objective not in TASK_OBJECTIVES:
@@ -204,12 +219,25 @@ class MixtureDataModule(RankedDataModule):
     that one file, so tasks with the same data and pipeline share one token cache.
     """
 
-    def __init__(self, tasks: Sequence[MixtureTask], *, arch: str, tokenizer: TokenizerConfig,
-                 tokenizer_data: DataConfig, rates: str = "weights", weights: Optional[Sequence[float]] = None,
-                 cap: Optional[int] = None, temperature: float = 1.0, seed: int = 0, accumulate: int = 1,
-                 run_dir: Optional[str] = None, model_vocab_size: Optional[int] = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None,
-                 tokenizer_pipeline: Optional[str] = None):
+    def __init__(
+        self,
+        tasks: Sequence[MixtureTask],
+        *,
+        arch: str,
+        tokenizer: TokenizerConfig,
+        tokenizer_data: DataConfig,
+        rates: str = "weights",
+        weights: Sequence[float] | None = None,
+        cap: int | None = None,
+        temperature: float = 1.0,
+        seed: int = 0,
+        accumulate: int = 1,
+        run_dir: str | None = None,
+        model_vocab_size: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        tokenizer_pipeline: str | None = None,
+    ):
         super().__init__()
         if not tasks:
             raise DataError("a mixture needs at least one task")
@@ -217,26 +245,31 @@ class MixtureDataModule(RankedDataModule):
             raise DataError(f"model.arch={arch!r} is not one of {list(ARCHS)}")
         for task in tasks:
             if task.objective == "prefix_lm" and PREFIX_PIPELINES.get(arch) != task.pipeline:
-                raise DataError(f"tasks.{task.name}: prefix_lm on model.arch={arch} needs pipeline "
-                                f"{PREFIX_PIPELINES.get(arch)!r}, got {task.pipeline!r}")
+                raise DataError(
+                    f"tasks.{task.name}: prefix_lm on model.arch={arch} needs pipeline "
+                    f"{PREFIX_PIPELINES.get(arch)!r}, got {task.pipeline!r}"
+                )
             if task.mode_token is not None and task.mode_token not in tokenizer.extra_special_tokens:
-                raise DataError(f"tasks.{task.name}.mode_token={task.mode_token!r} is not in "
-                                f"tokenizer.extra_special_tokens={list(tokenizer.extra_special_tokens)}")
+                raise DataError(
+                    f"tasks.{task.name}.mode_token={task.mode_token!r} is not in "
+                    f"tokenizer.extra_special_tokens={list(tokenizer.extra_special_tokens)}"
+                )
         self.tasks, self.arch = list(tasks), arch
         self.tokenizer_cfg, self.tokenizer_data = tokenizer, tokenizer_data
-        self.rate_options = dict(method=rates, weights=None if weights is None else list(weights), cap=cap,
-                                 temperature=temperature)
+        self.rate_options = dict(
+            method=rates, weights=None if weights is None else list(weights), cap=cap, temperature=temperature
+        )
         mixture_rates([1] * len(self.tasks), rates, weights=weights, cap=cap, temperature=temperature)  # fail early
         self.seed, self.accumulate, self.run_dir, self.model_vocab_size = seed, accumulate, run_dir, model_vocab_size
         self._rank, self._world = rank, world_size
         same_data = [t.pipeline for t in self.tasks if t.data == tokenizer_data]
         self.tokenizer_pipeline = tokenizer_pipeline or (same_data or [self.tasks[0].pipeline])[0]
         self._tokenizer = None
-        self._tokenizer_path: Optional[str] = None
+        self._tokenizer_path: str | None = None
         self._mode_ids: dict[str, int] = {}
-        self._modules: Optional[list[TextDataModule]] = None
-        self._rates: Optional[list[float]] = None
-        self._sampler: Optional[MixtureBatchSampler] = None
+        self._modules: list[TextDataModule] | None = None
+        self._rates: list[float] | None = None
+        self._sampler: MixtureBatchSampler | None = None
         self._micro = 0  # training micro-batches used so far
         self._task_batches = [0] * len(self.tasks)  # of which each task's
 
@@ -248,7 +281,7 @@ class MixtureDataModule(RankedDataModule):
         for dm in self._task_modules():
             dm.prepare_data()
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self._tokenizer is None:
             # a single process may build what is missing; other ranks rely on prepare_data
             self._resolve_tokenizer(build=self.world_size == 1)
@@ -269,17 +302,33 @@ class MixtureDataModule(RankedDataModule):
         samplers = []
         for t, (task, dm) in enumerate(zip(self.tasks, modules)):
             n = len(self._train_examples(t))
-            sampler = ResumableBatchSampler(n, task.data.batch_size, seed=self.seed + t, shuffle=task.data.shuffle,
-                                            drop_last=True, rank=self.rank, world_size=self.world_size)
+            sampler = ResumableBatchSampler(
+                n,
+                task.data.batch_size,
+                seed=self.seed + t,
+                shuffle=task.data.shuffle,
+                drop_last=True,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
             if self.rates[t] > 0 and len(sampler) == 0:
-                raise DataError(f"tasks.{task.name}: {n} training examples make no full batch of "
-                                f"data.batch_size={task.data.batch_size} on each of {self.world_size} ranks")
+                raise DataError(
+                    f"tasks.{task.name}: {n} training examples make no full batch of "
+                    f"data.batch_size={task.data.batch_size} on each of {self.world_size} ranks"
+                )
             samplers.append(sampler)
         self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
-        dataset = _MixtureBatches([self._train_examples(t) for t in range(len(modules))],
-                                  [dm.collator for dm in modules], self.seed)
-        return EpochLoader(dataset, sampler=self._sampler, owner=self, batch_size=None,
-                              num_workers=self.tokenizer_data.num_workers, pin_memory=torch.cuda.is_available())
+        dataset = _MixtureBatches(
+            [self._train_examples(t) for t in range(len(modules))], [dm.collator for dm in modules], self.seed
+        )
+        return EpochLoader(
+            dataset,
+            sampler=self._sampler,
+            owner=self,
+            batch_size=None,
+            num_workers=self.tokenizer_data.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
 
     def val_dataloader(self) -> list:
         modules = self._ready()
@@ -301,9 +350,13 @@ class MixtureDataModule(RankedDataModule):
     def summaries(self) -> dict[str, dict]:
         """{task: {split: what preparing it did}} (prepare.format_summary prints each; `kind` says
         whether its units are packed blocks or examples)."""
-        return {task.name: {split: dict(summary, kind="lm" if objective_kind(task.pipeline) == "lm" else "examples")
-                            for split, summary in dm._prepared.summaries.items()}
-                for task, dm in zip(self.tasks, self._ready())}
+        return {
+            task.name: {
+                split: dict(summary, kind="lm" if objective_kind(task.pipeline) == "lm" else "examples")
+                for split, summary in dm._prepared.summaries.items()
+            }
+            for task, dm in zip(self.tasks, self._ready())
+        }
 
     def state_dict(self) -> dict:
         return {"micro_batches": self._micro, "task_batches": list(self._task_batches), "seed": self.seed}
@@ -311,8 +364,10 @@ class MixtureDataModule(RankedDataModule):
     def load_state_dict(self, state: dict) -> None:
         counts = [int(c) for c in state["task_batches"]]
         if len(counts) != len(self.tasks):
-            raise DataError(f"the checkpoint's data state counts {len(counts)} tasks but this mixture has "
-                            f"{len(self.tasks)}; resume a mixture with the tasks it was trained with")
+            raise DataError(
+                f"the checkpoint's data state counts {len(counts)} tasks but this mixture has "
+                f"{len(self.tasks)}; resume a mixture with the tasks it was trained with"
+            )
         self._micro, self._task_batches = int(state["micro_batches"]), counts
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
@@ -330,7 +385,7 @@ class MixtureDataModule(RankedDataModule):
         return self._tokenizer
 
     @property
-    def tokenizer_path(self) -> Optional[str]:
+    def tokenizer_path(self) -> str | None:
         """The one tokenizer.json every task's TextDataModule loads."""
         return self._tokenizer_path
 
@@ -372,7 +427,7 @@ class MixtureDataModule(RankedDataModule):
     def test_tasks(self) -> list[int]:
         return self._tasks_with("test")
 
-    def bytes_per_token_of(self, t: int) -> Optional[float]:
+    def bytes_per_token_of(self, t: int) -> float | None:
         return self._ready()[t].bytes_per_token
 
     @property
@@ -402,8 +457,9 @@ class MixtureDataModule(RankedDataModule):
 
     def _write_run_files(self) -> None:
         if self.run_dir is not None:
-            prepared = Prepared(self.tokenizer_pipeline, self._tokenizer, SpecialTokens.from_tokenizer(self._tokenizer),
-                                sources={})
+            prepared = Prepared(
+                self.tokenizer_pipeline, self._tokenizer, SpecialTokens.from_tokenizer(self._tokenizer), sources={}
+            )
             write_run_files(prepared, self.run_dir, self.tokenizer_data.task)
 
     def _task_modules(self) -> list[TextDataModule]:
@@ -412,9 +468,18 @@ class MixtureDataModule(RankedDataModule):
             # rank and world size as given, else read when each loader is built (torch.distributed is
             # initialised by then under DDP/FSDP; the runner prepares data before the trainer exists)
             self._modules = [
-                TextDataModule(task.data, tok_cfg, task.pipeline, seed=self.seed + t, run_dir=None,
-                               model_vocab_size=self.model_vocab_size, rank=self._rank, world_size=self._world)
-                for t, task in enumerate(self.tasks)]
+                TextDataModule(
+                    task.data,
+                    tok_cfg,
+                    task.pipeline,
+                    seed=self.seed + t,
+                    run_dir=None,
+                    model_vocab_size=self.model_vocab_size,
+                    rank=self._rank,
+                    world_size=self._world,
+                )
+                for t, task in enumerate(self.tasks)
+            ]
         return self._modules
 
     def _ready(self) -> list[TextDataModule]:

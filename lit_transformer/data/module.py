@@ -13,20 +13,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lit_transformer.data.collate import (CLMCollator, ClassifyCollator, MLMCollator, Seq2SeqCollator,
-                                          example_generators, word_start_table)
-from lit_transformer.data.config import LM_OBJECTIVES, DataConfig, TokenizerConfig, check_objective
+from lit_transformer.data.collate import (
+    ClassifyCollator,
+    CLMCollator,
+    MLMCollator,
+    Seq2SeqCollator,
+    example_generators,
+    word_start_table,
+)
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.pack import LMBlocks, RaggedExamples
 from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
+from lit_transformer.data.settings import LM_OBJECTIVES, DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.span import SpanCorruptionCollator
 from lit_transformer.data.streaming import StreamingBlocks, estimate_bytes_per_token
 
@@ -52,7 +58,7 @@ class EpochLoader(DataLoader):
     Its state is the data module's position, so Lightning also sees it as resumable (and does
     not warn that a mid-epoch resume is unreliable)."""
 
-    def __init__(self, *args, owner: "RankedDataModule", **kwargs):
+    def __init__(self, *args, owner: RankedDataModule, **kwargs):
         super().__init__(*args, **kwargs)
         self._owner = owner
 
@@ -71,8 +77,8 @@ class RankedDataModule(L.LightningDataModule):
     """A data module's rank and world size: as given (`_rank`, `_world`), else the trainer's,
     else torch.distributed's when it is initialised, else a single process."""
 
-    _rank: Optional[int] = None
-    _world: Optional[int] = None
+    _rank: int | None = None
+    _world: int | None = None
 
     @property
     def rank(self) -> int:
@@ -92,40 +98,57 @@ class RankedDataModule(L.LightningDataModule):
 
 
 class TextDataModule(RankedDataModule):
-    def __init__(self, data: DataConfig, tokenizer: TokenizerConfig, objective: str, *, seed: int = 0,
-                 run_dir: Optional[str] = None, model_vocab_size: Optional[int] = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None):
+    def __init__(
+        self,
+        data: DataConfig,
+        tokenizer: TokenizerConfig,
+        objective: str,
+        *,
+        seed: int = 0,
+        run_dir: str | None = None,
+        model_vocab_size: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
         super().__init__()
         self.data, self.tokenizer_cfg, self.objective = data, tokenizer, check_objective(objective)
         if data.batch_tokens is not None and self.objective in LM_OBJECTIVES:
-            raise DataError(f"data.batch_tokens is for seq2seq and classify; {objective!r} trains on packed blocks "
-                            "of data.block_size tokens: set data.batch_size")
+            raise DataError(
+                f"data.batch_tokens is for seq2seq and classify; {objective!r} trains on packed blocks "
+                "of data.block_size tokens: set data.batch_size"
+            )
         self.seed, self.run_dir, self.model_vocab_size = seed, run_dir, model_vocab_size
         self._rank, self._world = rank, world_size
-        self._prepared: Optional[Prepared] = None
+        self._prepared: Prepared | None = None
         self._datasets: dict = {}
-        self._train_sampler: Optional[ResumableBatchSampler] = None
-        self._train_stream: Optional[StreamingBlocks] = None
+        self._train_sampler: ResumableBatchSampler | None = None
+        self._train_stream: StreamingBlocks | None = None
         self._epoch = 0  # epoch of the current (or next) training iteration
         self._consumed = 0  # training batches of that epoch used so far
-        self._resume: Optional[tuple[int, int]] = None
+        self._resume: tuple[int, int] | None = None
         self._next_epoch = 0  # without a trainer: epochs count iterations of the train loader
-        self._stream_bytes_per_token: Optional[float] = None
+        self._stream_bytes_per_token: float | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
-        prepared = build(self.data, self.tokenizer_cfg, self.objective, build=True,
-                         model_vocab_size=self.model_vocab_size)
+        prepared = build(
+            self.data, self.tokenizer_cfg, self.objective, build=True, model_vocab_size=self.model_vocab_size
+        )
         if self.run_dir is not None:
             write_run_files(prepared, self.run_dir, self.data.task)
         self._prepared = prepared  # this process's setup needs nothing more
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self._prepared is None:
             # a single process may build what is missing; other ranks rely on prepare_data
-            self._prepared = build(self.data, self.tokenizer_cfg, self.objective, build=self.world_size == 1,
-                                   model_vocab_size=self.model_vocab_size)
+            self._prepared = build(
+                self.data,
+                self.tokenizer_cfg,
+                self.objective,
+                build=self.world_size == 1,
+                model_vocab_size=self.model_vocab_size,
+            )
             if self.run_dir is not None and self.rank == 0 and not (Path(self.run_dir) / "tokenizer.json").exists():
                 write_run_files(self._prepared, self.run_dir, self.data.task)
         self.collator = self._make_collator()
@@ -173,17 +196,17 @@ class TextDataModule(RankedDataModule):
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
-    def label_names(self) -> Optional[list]:
+    def label_names(self) -> list | None:
         return self._ready().label_names
 
     @property
-    def num_labels(self) -> Optional[int]:
+    def num_labels(self) -> int | None:
         if self.objective != "classify":
             return None
         return 1 if self.data.task == "regression" else len(self.label_names or [])
 
     @property
-    def bytes_per_token(self) -> Optional[float]:
+    def bytes_per_token(self) -> float | None:
         """Validation UTF-8 bytes per token (separators included): bits/byte = loss / ln 2 / this."""
         prepared = self._ready()
         entry = prepared.entries.get("validation")
@@ -193,7 +216,8 @@ class TextDataModule(RankedDataModule):
             return None
         if self._stream_bytes_per_token is None:  # streaming: measure on the first ~1 MB
             self._stream_bytes_per_token = estimate_bytes_per_token(
-                prepared.sources["validation"], prepared.tokenizer, prepared.special.separator_id)
+                prepared.sources["validation"], prepared.tokenizer, prepared.special.separator_id
+            )
         return self._stream_bytes_per_token
 
     # ------------------------------------------------------------------ internals
@@ -206,17 +230,26 @@ class TextDataModule(RankedDataModule):
     def _make_collator(self) -> Callable:
         sp, cfg, tok = self._prepared.special, self.data, self._prepared.tokenizer
         if self.objective == "mlm":
-            return MLMCollator(special=sp, vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                               probability=cfg.mlm_probability, mask_replace_prob=cfg.mask_replace_prob,
-                               random_replace_prob=cfg.random_replace_prob,
-                               word_starts=word_start_table(tok) if cfg.whole_word_mask else None,
-                               document_mask=cfg.document_mask)
+            return MLMCollator(
+                special=sp,
+                vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                probability=cfg.mlm_probability,
+                mask_replace_prob=cfg.mask_replace_prob,
+                random_replace_prob=cfg.random_replace_prob,
+                word_starts=word_start_table(tok) if cfg.whole_word_mask else None,
+                document_mask=cfg.document_mask,
+            )
         if self.objective == "clm":
             return CLMCollator(special=sp, document_mask=cfg.document_mask)
         if self.objective == "span":
-            return SpanCorruptionCollator(block_size=cfg.block_size, sentinel_ids=sp.sentinel_ids, eos_id=sp.eos_id,
-                                          decoder_start_id=sp.decoder_start_id, noise_density=cfg.noise_density,
-                                          mean_span_length=cfg.mean_span_length)
+            return SpanCorruptionCollator(
+                block_size=cfg.block_size,
+                sentinel_ids=sp.sentinel_ids,
+                eos_id=sp.eos_id,
+                decoder_start_id=sp.decoder_start_id,
+                noise_density=cfg.noise_density,
+                mean_span_length=cfg.mean_span_length,
+            )
         if self.objective == "seq2seq":
             return Seq2SeqCollator(special=sp)
         return ClassifyCollator(special=sp, task=cfg.task)
@@ -241,21 +274,44 @@ class TextDataModule(RankedDataModule):
         if cfg.streaming:
             block_len, stride = block_params(self.objective, cfg)
             stream = StreamingBlocks(
-                self._prepared.sources[split], self._prepared.tokenizer.to_str(), self._prepared.special.separator_id,
-                block_len=block_len, stride=stride, batch_size=batch_size, collator=self.collator, seed=self.seed,
-                rank=self.rank, world_size=self.world_size, shuffle=train and cfg.shuffle,
-                shuffle_buffer=cfg.shuffle_buffer, drop_last=train)
+                self._prepared.sources[split],
+                self._prepared.tokenizer.to_str(),
+                self._prepared.special.separator_id,
+                block_len=block_len,
+                stride=stride,
+                batch_size=batch_size,
+                collator=self.collator,
+                seed=self.seed,
+                rank=self.rank,
+                world_size=self.world_size,
+                shuffle=train and cfg.shuffle,
+                shuffle_buffer=cfg.shuffle_buffer,
+                drop_last=train,
+            )
             if not train:
                 return DataLoader(stream, **kwargs)
             self._train_stream = stream
             return EpochLoader(stream, owner=self, **kwargs)
         examples = self._datasets[split]
         if train and cfg.batch_tokens is not None:  # RaggedExamples: __init__ refused packed LM blocks
-            sampler = TokenBatchSampler(examples.lengths(), cfg.batch_tokens, seed=self.seed, shuffle=cfg.shuffle,
-                                        rank=self.rank, world_size=self.world_size)
+            sampler = TokenBatchSampler(
+                examples.lengths(),
+                cfg.batch_tokens,
+                seed=self.seed,
+                shuffle=cfg.shuffle,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
         else:
-            sampler = ResumableBatchSampler(len(examples), batch_size, seed=self.seed, shuffle=train and cfg.shuffle,
-                                            drop_last=train, rank=self.rank, world_size=self.world_size)
+            sampler = ResumableBatchSampler(
+                len(examples),
+                batch_size,
+                seed=self.seed,
+                shuffle=train and cfg.shuffle,
+                drop_last=train,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
         dataset = _CollatedBatches(examples, self.collator, self.seed)
         if not train:
             return DataLoader(dataset, sampler=sampler, **kwargs)

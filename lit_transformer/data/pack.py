@@ -42,10 +42,10 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -85,8 +85,18 @@ def _with_bpe_cache(copy: Tokenizer) -> Tokenizer:
     if d.get("type") != "BPE" or d.get("dropout"):
         return copy
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in d["merges"]]
-    kwargs = {k: d[k] for k in ("unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
-                                "byte_fallback", "ignore_merges") if d.get(k) is not None}
+    kwargs = {
+        k: d[k]
+        for k in (
+            "unk_token",
+            "continuing_subword_prefix",
+            "end_of_word_suffix",
+            "fuse_unk",
+            "byte_fallback",
+            "ignore_merges",
+        )
+        if d.get(k) is not None
+    }
     copy.model = models.BPE(vocab=d["vocab"], merges=merges, cache_capacity=BPE_CACHE_WORDS, **kwargs)
     return copy
 
@@ -103,8 +113,9 @@ def text_batches(texts: Iterable[str]) -> Iterator[list[str]]:
         yield batch
 
 
-def batch_encoder(encoder: Tokenizer, separator_id: int, *,
-                  own_copy: bool = False) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
+def batch_encoder(
+    encoder: Tokenizer, separator_id: int, *, own_copy: bool = False
+) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
     """The function that packs one text batch: fast_encode.py's exact shortcut for the trained
     byte-level BPE (same ids, about 2x faster), else `encode_batch_fast`. `own_copy`: `encoder`
     is a fresh copy, which gets `fast_copy`'s large BPE cache here, only when it is used (25 ms)."""
@@ -118,15 +129,19 @@ def batch_encoder(encoder: Tokenizer, separator_id: int, *,
     def encode(batch: list[str]) -> tuple[np.ndarray, np.ndarray]:
         ids = [e.ids for e in encoder.encode_batch_fast(batch, add_special_tokens=False)]
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-        flat = np.fromiter(itertools.chain.from_iterable(itertools.chain(x, sep) for x in ids),
-                           dtype=np.int64, count=int(lengths.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(itertools.chain(x, sep) for x in ids),
+            dtype=np.int64,
+            count=int(lengths.sum()),
+        )
         return flat, lengths
 
     return encode
 
 
-def encode_documents(encoder: Tokenizer, docs: Iterable[str], separator_id: int, *, num_proc: Optional[int] = 1,
-                     describe: str = "packing") -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def encode_documents(
+    encoder: Tokenizer, docs: Iterable[str], separator_id: int, *, num_proc: int | None = 1, describe: str = "packing"
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(tokens, document lengths) per batch of about BATCH_BYTES; each document ends with the
     separator. num_proc 1: this process; N > 1: a pool of N processes (`pooled_batches`); None: this
     process for the first SWITCH_CHARS of text, then `auto_num_proc()` processes. The arrays
@@ -151,9 +166,18 @@ def encode_documents(encoder: Tokenizer, docs: Iterable[str], separator_id: int,
     yield from pooled_batches(encoder, separator_id, batches, procs, describe)
 
 
-def write_lm(docs: Iterable[str], tokenizer: Tokenizer, special: SpecialTokens, writer: CacheWriter,
-             stats: ReadStats, *, block_len: int, stride: int, describe: str,
-             num_proc: Optional[int] = None) -> CacheEntry:
+def write_lm(
+    docs: Iterable[str],
+    tokenizer: Tokenizer,
+    special: SpecialTokens,
+    writer: CacheWriter,
+    stats: ReadStats,
+    *,
+    block_len: int,
+    stride: int,
+    describe: str,
+    num_proc: int | None = None,
+) -> CacheEntry:
     """Pack `docs` into `writer`; num_proc as in `encode_documents`, None (automatic) by default."""
     if special.separator_id is None:
         raise DataError("the tokenizer has no eos/sep token to separate packed documents")
@@ -162,21 +186,31 @@ def write_lm(docs: Iterable[str], tokenizer: Tokenizer, special: SpecialTokens, 
     tokens = writer.array("tokens", dtype)
     starts = writer.array("doc_starts", np.int64)
     total = 0
-    for flat, lengths in encode_documents(encoder, docs, special.separator_id, num_proc=num_proc,
-                                          describe=describe):
+    for flat, lengths in encode_documents(encoder, docs, special.separator_id, num_proc=num_proc, describe=describe):
         tokens.append(flat)
         starts.append(total + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
         total += int(flat.size)
     blocks = num_blocks(total, block_len, stride)
     if stats.documents == 0 or blocks == 0:
-        raise DataError(f"{describe}: {stats.documents} documents, {total} tokens: not enough for one block of "
-                        f"{block_len} tokens (add text or lower data.block_size)")
+        raise DataError(
+            f"{describe}: {stats.documents} documents, {total} tokens: not enough for one block of "
+            f"{block_len} tokens (add text or lower data.block_size)"
+        )
     used = (blocks - 1) * stride + block_len
-    return writer.commit({
-        "kind": "lm", "documents": stats.documents, "bytes": stats.bytes, "tokens": total, "blocks": blocks,
-        "block_len": block_len, "stride": stride, "dropped_tokens": total - used,
-        "bytes_per_token": stats.bytes / total, "read": _stats_dict(stats),
-    })
+    return writer.commit(
+        {
+            "kind": "lm",
+            "documents": stats.documents,
+            "bytes": stats.bytes,
+            "tokens": total,
+            "blocks": blocks,
+            "block_len": block_len,
+            "stride": stride,
+            "dropped_tokens": total - used,
+            "bytes_per_token": stats.bytes / total,
+            "read": _stats_dict(stats),
+        }
+    )
 
 
 def _reopen(path: str) -> CacheEntry:
@@ -191,8 +225,11 @@ def num_blocks(total: int, block_len: int, stride: int) -> int:
 
 
 def _stats_dict(stats: ReadStats) -> dict:
-    return {"replaced_chars": stats.replaced_chars, "long_lines_skipped": stats.long_lines_skipped,
-            "skipped_examples": stats.skipped_examples}
+    return {
+        "replaced_chars": stats.replaced_chars,
+        "long_lines_skipped": stats.long_lines_skipped,
+        "skipped_examples": stats.skipped_examples,
+    }
 
 
 class LMBlocks(torch.utils.data.Dataset):
@@ -219,7 +256,7 @@ class LMBlocks(torch.utils.data.Dataset):
         if not 0 <= i < self.n:
             raise IndexError(i)
         start = i * self.stride
-        return np.asarray(self.tokens[start:start + self.block_len], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.block_len], dtype=np.int64)
 
     def document_ids(self, i: int) -> np.ndarray:
         """(block_len,) index of the document each token of block i belongs to."""
@@ -238,7 +275,7 @@ def auto_num_proc() -> int:
     return max(1, min(cores, MAX_AUTO_PROC))
 
 
-_worker_encode: Optional[Callable] = None  # set in each pool process by `_init_worker`
+_worker_encode: Callable | None = None  # set in each pool process by `_init_worker`
 
 
 def _init_worker(tokenizer_json: str, encode_special_tokens: bool, separator_id: int) -> None:
@@ -278,8 +315,9 @@ def _forking():
                 os.environ[k] = v
 
 
-def pooled_batches(encoder: Tokenizer, separator_id: int, batches: Iterator[list[str]], procs: int,
-                   describe: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def pooled_batches(
+    encoder: Tokenizer, separator_id: int, batches: Iterator[list[str]], procs: int, describe: str
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """`batch_encoder(encoder, separator_id)` mapped over `batches` by `procs` processes, in order.
 
     Each process builds its encoder once from `encoder`'s JSON (the same ids: `fast_copy` makes
@@ -288,8 +326,12 @@ def pooled_batches(encoder: Tokenizer, separator_id: int, batches: Iterator[list
     (BrokenProcessPool) where Pool would wait for its result forever. START_METHOD says how
     processes start."""
     ctx = multiprocessing.get_context(START_METHOD)
-    pool = ProcessPoolExecutor(procs, mp_context=ctx, initializer=_init_worker,
-                               initargs=(encoder.to_str(), encoder.encode_special_tokens, separator_id))
+    pool = ProcessPoolExecutor(
+        procs,
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(encoder.to_str(), encoder.encode_special_tokens, separator_id),
+    )
     window: collections.deque = collections.deque()
     done = False
     try:
@@ -305,8 +347,10 @@ def pooled_batches(encoder: Tokenizer, separator_id: int, batches: Iterator[list
             yield result
         done = True
     except BrokenProcessPool as exc:
-        raise DataError(f"{describe}: a tokenizer process of the {procs} packing processes died (killed, out of "
-                        "memory?); set data.num_proc=1 to pack in one process") from exc
+        raise DataError(
+            f"{describe}: a tokenizer process of the {procs} packing processes died (killed, out of "
+            "memory?); set data.num_proc=1 to pack in one process"
+        ) from exc
     finally:
         _close(pool, done)
 
@@ -385,12 +429,14 @@ def encode_labels(task: str, raw_labels: list, names: list, describe: str) -> np
                 unknown.add(key)
     if unknown:
         shown = sorted(unknown)[:5]
-        raise DataError(f"{describe}: labels {shown}{' ...' if len(unknown) > 5 else ''} do not occur in the "
-                        f"training data (training labels: {[str(n) for n in names][:10]})")
+        raise DataError(
+            f"{describe}: labels {shown}{' ...' if len(unknown) > 5 else ''} do not occur in the "
+            f"training data (training labels: {[str(n) for n in names][:10]})"
+        )
     return out
 
 
-def segment_ids(tokenizer: Tokenizer, special: SpecialTokens, texts: list, pairs: Optional[list], max_length: int):
+def segment_ids(tokenizer: Tokenizer, special: SpecialTokens, texts: list, pairs: list | None, max_length: int):
     """(ids, type_ids) per example: the tokenizer's own post-processor when it has one, else
     `[CLS] a [SEP] b [SEP]` from the special tokens (cls omitted, and eos for sep, when absent)."""
     encoder = fast_copy(tokenizer)
@@ -409,7 +455,7 @@ def segment_ids(tokenizer: Tokenizer, special: SpecialTokens, texts: list, pairs
         b = b_ids[i] if b_ids is not None else None
         room = max_length - len(head) - len(sep) * (2 if b is not None else 1)
         if b is None:
-            a = a[:max(room, 0)]
+            a = a[: max(room, 0)]
             ids = head + a + sep
             types = [0] * len(ids)
         else:
@@ -434,7 +480,7 @@ def write_ragged(writer: CacheWriter, name: str, seqs: list, dtype) -> None:
 
 
 def truncate_with_end(ids: list, max_length: int, end: int) -> list:
-    return ids[:max_length - 1] + [end]
+    return ids[: max_length - 1] + [end]
 
 
 class RaggedExamples(torch.utils.data.Dataset):
@@ -462,12 +508,15 @@ class RaggedExamples(torch.utils.data.Dataset):
 
     def _row(self, name: str, i: int) -> np.ndarray:
         off = self.entry[f"{name}_offsets"]
-        return np.asarray(self.entry[name][off[i]:off[i + 1]], dtype=np.int64)
+        return np.asarray(self.entry[name][off[i] : off[i + 1]], dtype=np.int64)
 
     def __getitem__(self, i: int):
         if not 0 <= i < self.n:
             raise IndexError(i)
         if self.kind == "seq2seq":
             return self._row("source", i), self._row("target", i)
-        return {"ids": self._row("ids", i), "type_ids": self._row("type_ids", i),
-                "label": np.asarray(self.entry["labels"][i])}
+        return {
+            "ids": self._row("ids", i),
+            "type_ids": self._row("type_ids", i),
+            "label": np.asarray(self.entry["labels"][i]),
+        }

@@ -15,7 +15,7 @@ Batch keys added to collate.py's (B batch, T length):
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -86,7 +86,7 @@ class TaskCollator:
     on a decoder sees its rows fully bidirectional: prefix_lengths = T, counted with the mode token.
     """
 
-    def __init__(self, base: Callable, *, task: int, objective: str, arch: str, mode_token_id: Optional[int] = None):
+    def __init__(self, base: Callable, *, task: int, objective: str, arch: str, mode_token_id: int | None = None):
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r} is not one of {list(ARCHS)}")
         self.base, self.task, self.objective, self.arch = base, int(task), objective, arch

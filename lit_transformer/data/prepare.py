@@ -12,22 +12,28 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from lit_transformer.data import pack
 from lit_transformer.data.cache import CacheEntry, CacheWriter, cache_key, cache_root, open_cache
-from lit_transformer.data.config import DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.corpus import SplitSource, build_sources, fingerprint_config, objective_kind
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
+from lit_transformer.data.settings import DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.span_sizes import span_lengths
-from lit_transformer.data.tokenizer import (BYTE_LEVEL_PATTERN, SpecialTokens, check_tokenizer, load_tokenizer,
-                                            save_tokenizer, train_tokenizer)
+from lit_transformer.data.tokenizer import (
+    BYTE_LEVEL_PATTERN,
+    SpecialTokens,
+    check_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 STREAMING_TOKENIZER_BYTES = 256 << 20  # streaming corpora: train the tokenizer on the first 256 MB
 
@@ -39,7 +45,7 @@ class Prepared:
     special: SpecialTokens
     sources: dict[str, SplitSource]
     entries: dict[str, CacheEntry] = field(default_factory=dict)  # empty when streaming
-    label_names: Optional[list] = None
+    label_names: list | None = None
     summaries: dict[str, dict] = field(default_factory=dict)
     tokenizer_source: str = ""  # "trained", "cached" or the loaded path
 
@@ -62,8 +68,9 @@ def _training_texts(source: SplitSource, stats: ReadStats):
             yield from (t for t in item[:2] if isinstance(t, str))
 
 
-def resolve_tokenizer(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: dict[str, SplitSource],
-                      *, build: bool) -> tuple[Tokenizer, str, str]:
+def resolve_tokenizer(
+    data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: dict[str, SplitSource], *, build: bool
+) -> tuple[Tokenizer, str, str]:
     """(tokenizer, where it came from, the sha256 of its tokenizer.json file: the token caches'
     key; hashing the file is ~10x cheaper than serialising the loaded tokenizer again)."""
     if tok_cfg.path:
@@ -71,8 +78,13 @@ def resolve_tokenizer(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: d
         return load_tokenizer(path), str(path), _file_hash(path / "tokenizer.json" if path.is_dir() else path)
     train = sources["train"]
     # the pattern is part of what training builds: a tokenizer trained with an earlier one is not reused
-    key = cache_key("tokenizer", train.fingerprint(), fingerprint_config(data_cfg), dataclasses.asdict(tok_cfg),
-                    BYTE_LEVEL_PATTERN if tok_cfg.kind == "bpe" else None)
+    key = cache_key(
+        "tokenizer",
+        train.fingerprint(),
+        fingerprint_config(data_cfg),
+        dataclasses.asdict(tok_cfg),
+        BYTE_LEVEL_PATTERN if tok_cfg.kind == "bpe" else None,
+    )
     path = cache_root(data_cfg.cache_dir) / "tokenizers" / f"{key}.json"
     if path.is_file():
         return load_tokenizer(path), "cached", _file_hash(path)
@@ -90,8 +102,14 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def build(data_cfg: DataConfig, tok_cfg: TokenizerConfig, objective: str, *, build: bool = True,
-          model_vocab_size: Optional[int] = None) -> Prepared:
+def build(
+    data_cfg: DataConfig,
+    tok_cfg: TokenizerConfig,
+    objective: str,
+    *,
+    build: bool = True,
+    model_vocab_size: int | None = None,
+) -> Prepared:
     """Tokenizer plus one cache entry per split; `build=False` only opens what exists."""
     check_objective(objective)
     kind = objective_kind(objective)
@@ -99,8 +117,14 @@ def build(data_cfg: DataConfig, tok_cfg: TokenizerConfig, objective: str, *, bui
         raise DataError(f"data.streaming=true is for LM objectives (mlm, clm, span), not {objective!r}")
     sources = build_sources(data_cfg, objective)
     tokenizer, origin, tok_hash = resolve_tokenizer(data_cfg, tok_cfg, sources, build=build)
-    special = check_tokenizer(tokenizer, objective, model_vocab_size, block_size=data_cfg.block_size,
-                              noise_density=data_cfg.noise_density, mean_span_length=data_cfg.mean_span_length)
+    special = check_tokenizer(
+        tokenizer,
+        objective,
+        model_vocab_size,
+        block_size=data_cfg.block_size,
+        noise_density=data_cfg.noise_density,
+        mean_span_length=data_cfg.mean_span_length,
+    )
     out = Prepared(objective, tokenizer, special, sources, tokenizer_source=origin)
     if data_cfg.streaming:
         return out
@@ -112,8 +136,13 @@ def build(data_cfg: DataConfig, tok_cfg: TokenizerConfig, objective: str, *, bui
         if kind == "lm":
             options = ["lm", *block_params(objective, data_cfg)]
         elif kind == "classify":
-            options = ["classify", data_cfg.max_length, data_cfg.task, data_cfg.text_pair_column,
-                       out.label_names if split != "train" else None]
+            options = [
+                "classify",
+                data_cfg.max_length,
+                data_cfg.task,
+                data_cfg.text_pair_column,
+                out.label_names if split != "train" else None,
+            ]
         else:
             options = ["seq2seq", data_cfg.max_length, data_cfg.max_target_length]
         key = cache_key(source.fingerprint(), fingerprint_config(data_cfg), tok_hash, options)
@@ -122,8 +151,10 @@ def build(data_cfg: DataConfig, tok_cfg: TokenizerConfig, objective: str, *, bui
         cached = entry is not None
         if entry is None:
             if not build:
-                raise DataError(f"{split} split of {source.describe}: no token cache at {root / key}; "
-                                "run prepare_data (lit-transformer prepare) first")
+                raise DataError(
+                    f"{split} split of {source.describe}: no token cache at {root / key}; "
+                    "run prepare_data (lit-transformer prepare) first"
+                )
             entry = _write_split(root, key, source, kind, objective, data_cfg, tokenizer, special, out.label_names)
         if kind == "classify" and split == "train":
             out.label_names = entry.meta["label_names"]
@@ -140,15 +171,29 @@ def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfi
         if kind == "lm":
             block_len, stride = block_params(objective, cfg)
             # cfg.num_proc only changes how fast: it is not in the cache key (fingerprint_config)
-            return pack.write_lm(source.iterate(stats), tokenizer, special, writer, stats, block_len=block_len,
-                                 stride=stride, describe=f"{source.split} split of {source.describe}",
-                                 num_proc=cfg.num_proc)
+            return pack.write_lm(
+                source.iterate(stats),
+                tokenizer,
+                special,
+                writer,
+                stats,
+                block_len=block_len,
+                stride=stride,
+                describe=f"{source.split} split of {source.describe}",
+                num_proc=cfg.num_proc,
+            )
         items = list(source.iterate(stats))
         if not items:
-            raise DataError(f"{source.split} split of {source.describe}: no examples "
-                            f"({stats.skipped_examples} blank ones skipped)")
-        meta = {"kind": kind, "examples": len(items), "documents": len(items), "bytes": stats.bytes,
-                "read": pack._stats_dict(stats)}
+            raise DataError(
+                f"{source.split} split of {source.describe}: no examples ({stats.skipped_examples} blank ones skipped)"
+            )
+        meta = {
+            "kind": kind,
+            "examples": len(items),
+            "documents": len(items),
+            "bytes": stats.bytes,
+            "read": pack._stats_dict(stats),
+        }
         if kind == "classify":
             texts = [it[0] for it in items]
             pairs = [it[1] for it in items] if cfg.text_pair_column else None
@@ -164,10 +209,14 @@ def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfi
         else:
             end = special.eos_id if special.eos_id is not None else special.sep_id
             encoder = pack.fast_copy(tokenizer)
-            src = [pack.truncate_with_end(e.ids, cfg.max_length, end)
-                   for e in encoder.encode_batch_fast([it[0] for it in items], add_special_tokens=False)]
-            tgt = [pack.truncate_with_end(e.ids, cfg.max_target_length, end)
-                   for e in encoder.encode_batch_fast([it[1] for it in items], add_special_tokens=False)]
+            src = [
+                pack.truncate_with_end(e.ids, cfg.max_length, end)
+                for e in encoder.encode_batch_fast([it[0] for it in items], add_special_tokens=False)
+            ]
+            tgt = [
+                pack.truncate_with_end(e.ids, cfg.max_target_length, end)
+                for e in encoder.encode_batch_fast([it[1] for it in items], add_special_tokens=False)
+            ]
             dtype = pack.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
             pack.write_ragged(writer, "source", src, dtype)
             pack.write_ragged(writer, "target", tgt, dtype)
@@ -178,10 +227,15 @@ def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfi
 def _summary(split: str, entry: CacheEntry, cached: bool, seconds: float) -> dict:
     m = entry.meta
     return {
-        "split": split, "documents": m["documents"], "tokens": m["tokens"],
-        "blocks": m.get("blocks", m.get("examples")), "seconds": round(seconds, 3),
-        "mb_per_s": round(m["bytes"] / 1e6 / max(seconds, 1e-9), 2), "cached": cached,
-        "bytes_per_token": round(m["bytes"] / max(m["tokens"], 1), 4), "read": m.get("read", {}),
+        "split": split,
+        "documents": m["documents"],
+        "tokens": m["tokens"],
+        "blocks": m.get("blocks", m.get("examples")),
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(m["bytes"] / 1e6 / max(seconds, 1e-9), 2),
+        "cached": cached,
+        "bytes_per_token": round(m["bytes"] / max(m["tokens"], 1), 4),
+        "read": m.get("read", {}),
         "path": str(entry.path),
     }
 
@@ -189,9 +243,11 @@ def _summary(split: str, entry: CacheEntry, cached: bool, seconds: float) -> dic
 def format_summary(s: dict) -> str:
     unit = "blocks" if "lm" in s.get("kind", "lm") else "examples"
     notes = "; ".join(f"{k}={v}" for k, v in s.get("read", {}).items() if v)
-    return (f"{s['split']:<10} {s['documents']:>9,} documents {s['tokens']:>12,} tokens {s['blocks']:>9,} {unit} "
-            f"{s['seconds']:>8.2f} s {s['mb_per_s']:>8.2f} MB/s{'  (cached)' if s['cached'] else ''}"
-            + (f"  [{notes}]" if notes else ""))
+    return (
+        f"{s['split']:<10} {s['documents']:>9,} documents {s['tokens']:>12,} tokens {s['blocks']:>9,} {unit} "
+        f"{s['seconds']:>8.2f} s {s['mb_per_s']:>8.2f} MB/s{'  (cached)' if s['cached'] else ''}"
+        + (f"  [{notes}]" if notes else "")
+    )
 
 
 def write_run_files(prepared: Prepared, run_dir, task: str) -> None:
@@ -203,8 +259,16 @@ def write_run_files(prepared: Prepared, run_dir, task: str) -> None:
             json.dump({"task": task, "labels": prepared.label_names or []}, f, indent=1)
 
 
-def prepare(data_cfg: DataConfig, tokenizer_cfg: TokenizerConfig, objective: str, run_dir, seed: int = 0, *,
-            model_vocab_size: Optional[int] = None, print_fn: Optional[Callable[[str], None]] = print) -> dict:
+def prepare(
+    data_cfg: DataConfig,
+    tokenizer_cfg: TokenizerConfig,
+    objective: str,
+    run_dir,
+    seed: int = 0,
+    *,
+    model_vocab_size: int | None = None,
+    print_fn: Callable[[str], None] | None = print,
+) -> dict:
     """Train or load the tokenizer, write run_dir/tokenizer.json (and labels.json), fill the cache.
 
     Returns {'tokenizer': path, 'tokenizer_source', 'splits': {split: summary}, 'label_names'};
@@ -214,12 +278,19 @@ def prepare(data_cfg: DataConfig, tokenizer_cfg: TokenizerConfig, objective: str
     prepared = build(data_cfg, tokenizer_cfg, objective, build=True, model_vocab_size=model_vocab_size)
     write_run_files(prepared, run_dir, data_cfg.task)
     if print_fn is not None:
-        print_fn(f"tokenizer  {prepared.tokenizer.get_vocab_size(with_added_tokens=True):,} tokens "
-                 f"({prepared.tokenizer_source}) -> {Path(run_dir) / 'tokenizer.json'}")
+        print_fn(
+            f"tokenizer  {prepared.tokenizer.get_vocab_size(with_added_tokens=True):,} tokens "
+            f"({prepared.tokenizer_source}) -> {Path(run_dir) / 'tokenizer.json'}"
+        )
         for s in prepared.summaries.values():
             print_fn(format_summary(dict(s, kind="lm" if objective_kind(objective) == "lm" else "examples")))
         if data_cfg.streaming:
             print_fn("streaming  documents are tokenized on the fly during training (no token cache)")
-    return {"tokenizer": str(Path(run_dir) / "tokenizer.json"), "tokenizer_source": prepared.tokenizer_source,
-            "splits": prepared.summaries, "label_names": prepared.label_names, "seed": seed,
-            "seconds": round(time.perf_counter() - t0, 3)}
+    return {
+        "tokenizer": str(Path(run_dir) / "tokenizer.json"),
+        "tokenizer_source": prepared.tokenizer_source,
+        "splits": prepared.summaries,
+        "label_names": prepared.label_names,
+        "seed": seed,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

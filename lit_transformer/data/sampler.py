@@ -15,17 +15,28 @@ consumed in that epoch; the skipped batches are never loaded.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
 
 class ResumableBatchSampler(DistributedSampler):
-    def __init__(self, num_examples: int, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True, rank: int = 0, world_size: int = 1, pad_uneven: bool = True):
-        super().__init__(range(num_examples), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+    def __init__(
+        self,
+        num_examples: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+        pad_uneven: bool = True,
+    ):
+        super().__init__(
+            range(num_examples), num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
         self.num_examples, self.batch_size, self.pad_uneven = num_examples, batch_size, pad_uneven
         self._skip: tuple[int, int] | None = None
 
@@ -36,7 +47,7 @@ class ResumableBatchSampler(DistributedSampler):
         """This rank's example indices for `epoch`, in order."""
         n, w = self.num_examples, self.num_replicas
         order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        mine = order[self.rank::w]
+        mine = order[self.rank :: w]
         if self.drop_last:
             return mine[: n // w]
         per_rank = math.ceil(n / w)
@@ -45,9 +56,15 @@ class ResumableBatchSampler(DistributedSampler):
         return mine
 
     def __len__(self) -> int:
-        n = self.num_examples // self.num_replicas if self.drop_last else (
-            math.ceil(self.num_examples / self.num_replicas) if self.pad_uneven
-            else len(range(self.rank, self.num_examples, self.num_replicas)))
+        n = (
+            self.num_examples // self.num_replicas
+            if self.drop_last
+            else (
+                math.ceil(self.num_examples / self.num_replicas)
+                if self.pad_uneven
+                else len(range(self.rank, self.num_examples, self.num_replicas))
+            )
+        )
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[int, int, tuple]]:
@@ -58,7 +75,7 @@ class ResumableBatchSampler(DistributedSampler):
         self._skip = None
         mine = self.shard(epoch)
         for b in range(start, len(self)):
-            yield epoch, b, tuple(int(i) for i in mine[b * self.batch_size:(b + 1) * self.batch_size])
+            yield epoch, b, tuple(int(i) for i in mine[b * self.batch_size : (b + 1) * self.batch_size])
 
 
 class TokenBatchSampler(ResumableBatchSampler):
@@ -73,10 +90,20 @@ class TokenBatchSampler(ResumableBatchSampler):
     every rank gets the same count, and `resume` skips batches exactly as the parent does.
     An example longer than `batch_tokens` is a batch of its own."""
 
-    def __init__(self, lengths, batch_tokens: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 rank: int = 0, world_size: int = 1):
-        super().__init__(len(lengths), 1, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                         world_size=world_size)
+    def __init__(
+        self,
+        lengths,
+        batch_tokens: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        super().__init__(
+            len(lengths), 1, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size
+        )
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_tokens = batch_tokens
         self._count = len(self._cut(np.argsort(self.lengths, kind="stable")))
@@ -98,7 +125,7 @@ class TokenBatchSampler(ResumableBatchSampler):
         batches = self._cut(order[np.argsort(self.lengths[order], kind="stable")])
         if self.shuffle:
             batches = [batches[i] for i in np.random.default_rng([self.seed, epoch, 1]).permutation(len(batches))]
-        return batches[self.rank::w][: len(self)]
+        return batches[self.rank :: w][: len(self)]
 
     def __len__(self) -> int:
         w = self.num_replicas

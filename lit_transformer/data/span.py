@@ -14,7 +14,6 @@ The lengths of the pieces come from span_sizes.py (`span_lengths`).
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -61,12 +60,22 @@ class SpanCorruptionCollator:
     decoder_attention_mask (B, L_tgt).
     """
 
-    def __init__(self, *, block_size: int, sentinel_ids, eos_id: int, decoder_start_id: int,
-                 noise_density: float = 0.15, mean_span_length: float = 3.0):
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        sentinel_ids,
+        eos_id: int,
+        decoder_start_id: int,
+        noise_density: float = 0.15,
+        mean_span_length: float = 3.0,
+    ):
         self.lengths = span_lengths(block_size, noise_density, mean_span_length)
         if len(sentinel_ids) < self.lengths.noise_spans:
-            raise DataError(f"span corruption of data.block_size={block_size} needs {self.lengths.noise_spans} "
-                            f"sentinel tokens; the tokenizer has {len(sentinel_ids)}")
+            raise DataError(
+                f"span corruption of data.block_size={block_size} needs {self.lengths.noise_spans} "
+                f"sentinel tokens; the tokenizer has {len(sentinel_ids)}"
+            )
         self.sentinel_ids = np.asarray(list(sentinel_ids), dtype=np.int64)
         self.eos_id = eos_id
         self.decoder_start_id = decoder_start_id
@@ -79,8 +88,9 @@ class SpanCorruptionCollator:
             rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=gen)))
             tokens = np.asarray(ex, dtype=np.int64)
             if tokens.shape != (self.lengths.raw_length,):
-                raise DataError(f"span corruption expects raw blocks of {self.lengths.raw_length} tokens, "
-                                f"got {tokens.shape}")
+                raise DataError(
+                    f"span corruption expects raw blocks of {self.lengths.raw_length} tokens, got {tokens.shape}"
+                )
             i, t = corrupt(tokens, noise_mask(self.lengths, rng), self.sentinel_ids, self.eos_id)
             inputs.append(i)
             targets.append(t)

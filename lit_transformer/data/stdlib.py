@@ -34,8 +34,14 @@ TASKS_VERSION = 1  # bump when the task definitions change, so token caches buil
 
 
 def task_fingerprint(kind: str) -> list:
-    return [f"stdlib-{kind}", TASKS_VERSION, CLASSIFY_PACKAGES, CLASSIFY_PER_CLASS, SPLIT_FRACTIONS,
-            corpus_fingerprint(0.0)]
+    return [
+        f"stdlib-{kind}",
+        TASKS_VERSION,
+        CLASSIFY_PACKAGES,
+        CLASSIFY_PER_CLASS,
+        SPLIT_FRACTIONS,
+        corpus_fingerprint(0.0),
+    ]
 
 
 def stable_hash(text: str) -> int:
@@ -139,8 +145,11 @@ def classification_examples() -> dict[str, list[dict]]:
         unique = sorted((t for t in texts if len(owner[t]) == 1), key=stable_hash)[:per_class]
         n_train = round(per_class * SPLIT_FRACTIONS["train"])
         n_val = round(per_class * SPLIT_FRACTIONS["validation"])
-        parts = {"train": unique[:n_train], "validation": unique[n_train:n_train + n_val],
-                 "test": unique[n_train + n_val:]}
+        parts = {
+            "train": unique[:n_train],
+            "validation": unique[n_train : n_train + n_val],
+            "test": unique[n_train + n_val :],
+        }
         for name, items in parts.items():
             splits[name].extend({"text": t, "label": package} for t in items)
     for name in splits:

@@ -13,7 +13,7 @@ use that global batch index. Ranks can end an epoch a batch apart; with DDP, bou
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ def pack_stream(chunks: Iterable[tuple[np.ndarray, np.ndarray]], block_len: int,
         buf = np.concatenate([buf, flat])
         n = (len(buf) - block_len) // stride + 1 if len(buf) >= block_len else 0
         for i in range(n):
-            yield buf[i * stride:i * stride + block_len].copy()
-        buf = buf[n * stride:]
+            yield buf[i * stride : i * stride + block_len].copy()
+        buf = buf[n * stride :]
 
 
 def shuffled(items: Iterable, size: int, rng: np.random.Generator) -> Iterator:
@@ -53,9 +53,23 @@ def shuffled(items: Iterable, size: int, rng: np.random.Generator) -> Iterator:
 class StreamingBlocks(torch.utils.data.IterableDataset):
     """Collated batches of packed blocks from a lazily read split."""
 
-    def __init__(self, source: SplitSource, tokenizer_json: str, separator_id: int, *, block_len: int,
-                 stride: int, batch_size: int, collator: Callable, seed: int, rank: int, world_size: int,
-                 shuffle: bool, shuffle_buffer: int, drop_last: bool):
+    def __init__(
+        self,
+        source: SplitSource,
+        tokenizer_json: str,
+        separator_id: int,
+        *,
+        block_len: int,
+        stride: int,
+        batch_size: int,
+        collator: Callable,
+        seed: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        shuffle_buffer: int,
+        drop_last: bool,
+    ):
         super().__init__()
         self.source, self.tokenizer_json, self.separator_id = source, tokenizer_json, separator_id
         self.block_len, self.stride, self.batch_size = block_len, stride, batch_size

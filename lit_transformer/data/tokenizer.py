@@ -23,23 +23,45 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from lit_transformer.data.config import TokenizerConfig, check_objective
 from lit_transformer.data.errors import DataError
+from lit_transformer.data.settings import TokenizerConfig, check_objective
 from lit_transformer.data.span_sizes import span_lengths
 
 ROLES = ("pad", "unk", "bos", "eos", "cls", "sep", "mask")
 TRAINED_SPECIALS = {
-    "bpe": {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>", "cls": "<cls>", "sep": "<sep>", "mask": "<mask>"},
-    "unigram": {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>", "cls": "<cls>", "sep": "<sep>",
-                "mask": "<mask>"},
-    "wordpiece": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]", "bos": "[BOS]",
-                  "eos": "[EOS]"},
+    "bpe": {
+        "pad": "<pad>",
+        "unk": "<unk>",
+        "bos": "<s>",
+        "eos": "</s>",
+        "cls": "<cls>",
+        "sep": "<sep>",
+        "mask": "<mask>",
+    },
+    "unigram": {
+        "pad": "<pad>",
+        "unk": "<unk>",
+        "bos": "<s>",
+        "eos": "</s>",
+        "cls": "<cls>",
+        "sep": "<sep>",
+        "mask": "<mask>",
+    },
+    "wordpiece": {
+        "pad": "[PAD]",
+        "unk": "[UNK]",
+        "cls": "[CLS]",
+        "sep": "[SEP]",
+        "mask": "[MASK]",
+        "bos": "[BOS]",
+        "eos": "[EOS]",
+    },
 }
 # Spellings recognised in any tokenizer, most specific first. GPT-2's <|endoftext|> serves as both
 # bos and eos; RoBERTa's <s> / </s> serve as cls / sep when no dedicated token exists.
@@ -73,25 +95,31 @@ _SPACE = r"\t\n\x0b\x0c\r \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205
 #   stops do not glue onto words. Each range holds no letter, mark or space (checked in
 #   tests/test_data_fast_encode.py). Rarer symbols (arrows, math, emoji) count as letters: a
 #   difference from GPT-2 that only changes where such words split, never the round trip.
-_OTHER = (r"\x00-\x08\x0e-\x1f\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f"  # ASCII controls and punctuation
-          r"\u0080-\u0084\u0086-\u009f"  # C1 controls (U+0085 is a space)
-          r"\u00a1-\u00a9\u00ab-\u00b4\u00b6-\u00b9\u00bb-\u00bf\u00d7\u00f7"  # Latin-1: « » ° £ ² ½, not ª µ º
-          r"\u2010-\u2027\u2030-\u205e"  # General Punctuation: dashes, quotes, bullets, ellipsis, primes
-          r"\u3001-\u3004\u3008-\u3020"  # CJK punctuation: 、。 and the brackets 「」『』【】
-          r"\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65")  # fullwidth ASCII punctuation, ｡｢｣､･
+_OTHER = (
+    r"\x00-\x08\x0e-\x1f\x21-\x2f\x3a-\x40\x5b-\x60\x7b-\x7f"  # ASCII controls and punctuation
+    r"\u0080-\u0084\u0086-\u009f"  # C1 controls (U+0085 is a space)
+    r"\u00a1-\u00a9\u00ab-\u00b4\u00b6-\u00b9\u00bb-\u00bf\u00d7\u00f7"  # Latin-1: « » ° £ ² ½, not ª µ º
+    r"\u2010-\u2027\u2030-\u205e"  # General Punctuation: dashes, quotes, bullets, ellipsis, primes
+    r"\u3001-\u3004\u3008-\u3020"  # CJK punctuation: 、。 and the brackets 「」『』【】
+    r"\uff01-\uff0f\uff1a-\uff20\uff3b-\uff40\uff5b-\uff65"
+)  # fullwidth ASCII punctuation, ｡｢｣､･
 # - digits: 0-9 only (GPT-2's \p{N} also takes other scripts' digits; here they are letters
 #   unless listed in other). - letters: everything else, every script's letters, combining
 #   marks included (GPT-2's \p{L} splits a combining accent off its letter).
-BYTE_LEVEL_PATTERN = (rf"'(?:s|t|re|ve|m|ll|d)| ?[^{_SPACE}{_OTHER}0-9]+| ?[0-9]+| ?[{_OTHER}]+"
-                      rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+")
+BYTE_LEVEL_PATTERN = (
+    rf"'(?:s|t|re|ve|m|ll|d)| ?[^{_SPACE}{_OTHER}0-9]+| ?[0-9]+| ?[{_OTHER}]+"
+    rf"|[{_SPACE}]+(?![^{_SPACE}])|[{_SPACE}]+"
+)
 
 
 def byte_level_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     """`BYTE_LEVEL_PATTERN` words, then GPT-2's byte-to-unicode mapping (without its own regex)."""
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN), "isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def sentinel(i: int) -> str:
@@ -102,20 +130,20 @@ def sentinel(i: int) -> str:
 class SpecialTokens:
     """Ids of the special tokens by role; None where the tokenizer has none."""
 
-    pad_id: Optional[int] = None
-    unk_id: Optional[int] = None
-    bos_id: Optional[int] = None
-    eos_id: Optional[int] = None
-    cls_id: Optional[int] = None
-    sep_id: Optional[int] = None
-    mask_id: Optional[int] = None
+    pad_id: int | None = None
+    unk_id: int | None = None
+    bos_id: int | None = None
+    eos_id: int | None = None
+    cls_id: int | None = None
+    sep_id: int | None = None
+    mask_id: int | None = None
     sentinel_ids: tuple[int, ...] = ()
     # every other added special token (UL2's mode tokens, a loaded tokenizer's own controls):
     # a control id that text never yields, so masking must neither select nor insert it
     extra_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> "SpecialTokens":
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> SpecialTokens:
         ids = {}
         for role in ROLES:
             ids[f"{role}_id"] = next(
@@ -129,19 +157,27 @@ class SpecialTokens:
         return cls(**ids, sentinel_ids=tuple(sentinels), extra_ids=tuple(extra))
 
     @property
-    def separator_id(self) -> Optional[int]:
+    def separator_id(self) -> int | None:
         """The token packed between documents: eos, else sep (BERT), else bos."""
         return next((i for i in (self.eos_id, self.sep_id, self.bos_id) if i is not None), None)
 
     @property
-    def decoder_start_id(self) -> Optional[int]:
+    def decoder_start_id(self) -> int | None:
         """T5 starts the decoder with pad (Raffel et al. 2020); bos where there is no pad."""
         return self.pad_id if self.pad_id is not None else self.bos_id
 
     def never_masked(self) -> set[int]:
         """Ids a masking collator must leave alone and never predict."""
-        ids = {self.pad_id, self.bos_id, self.eos_id, self.cls_id, self.sep_id, self.mask_id, *self.sentinel_ids,
-               *self.extra_ids}
+        ids = {
+            self.pad_id,
+            self.bos_id,
+            self.eos_id,
+            self.cls_id,
+            self.sep_id,
+            self.mask_id,
+            *self.sentinel_ids,
+            *self.extra_ids,
+        }
         return {i for i in ids if i is not None}
 
 
@@ -152,8 +188,10 @@ def check_extra_special_tokens(tokenizer: Tokenizer, tokens, where: str) -> dict
     special = {tok.content: i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
     for token in tokens:
         if token not in special:
-            raise DataError(f"tokenizer.extra_special_tokens: {token!r} is not a special token of {where}; add it "
-                            "to that tokenizer.json, or leave tokenizer.path empty to train a tokenizer with it")
+            raise DataError(
+                f"tokenizer.extra_special_tokens: {token!r} is not a special token of {where}; add it "
+                "to that tokenizer.json, or leave tokenizer.path empty to train a tokenizer with it"
+            )
     return {token: special[token] for token in tokens}
 
 
@@ -163,8 +201,10 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
     specials = list(names.values()) + [sentinel(i) for i in range(cfg.num_sentinels)]
     for token in cfg.extra_special_tokens:
         if token in specials:
-            raise DataError(f"tokenizer.extra_special_tokens: {token!r} is already a special token of a "
-                            f"trained {cfg.kind} tokenizer")
+            raise DataError(
+                f"tokenizer.extra_special_tokens: {token!r} is already a special token of a "
+                f"trained {cfg.kind} tokenizer"
+            )
     specials += list(cfg.extra_special_tokens)
     floor = len(specials) + (256 if cfg.kind == "bpe" else 1)
     if cfg.vocab_size < floor:
@@ -176,25 +216,34 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = byte_level_pre_tokenizer()
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                      special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=cfg.vocab_size,
+            min_frequency=cfg.min_frequency,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
     elif cfg.kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token=names["unk"]))
         tok.normalizer = normalizers.BertNormalizer(lowercase=cfg.lowercase)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece(prefix="##")
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                                            special_tokens=specials, continuing_subword_prefix="##",
-                                            show_progress=False)
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=cfg.vocab_size,
+            min_frequency=cfg.min_frequency,
+            special_tokens=specials,
+            continuing_subword_prefix="##",
+            show_progress=False,
+        )
     else:
         tok = Tokenizer(models.Unigram())
         steps = [normalizers.NFKC()] + ([normalizers.Lowercase()] if cfg.lowercase else [])
         tok.normalizer = normalizers.Sequence(steps)
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-        trainer = trainers.UnigramTrainer(vocab_size=cfg.vocab_size, special_tokens=specials,
-                                          unk_token=names["unk"], show_progress=False)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=cfg.vocab_size, special_tokens=specials, unk_token=names["unk"], show_progress=False
+        )
     seen = {"bytes": 0, "texts": 0}
     tok.train_from_iterator(_batches(texts, cfg.max_train_bytes, seen), trainer)
     if seen["texts"] == 0:
@@ -202,17 +251,21 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
     if cfg.kind == "wordpiece":
         cls_id, sep_id = tok.token_to_id(names["cls"]), tok.token_to_id(names["sep"])
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{names['cls']} $A {names['sep']}", pair=f"{names['cls']} $A {names['sep']} $B:1 {names['sep']}:1",
-            special_tokens=[(names["cls"], cls_id), (names["sep"], sep_id)])
+            single=f"{names['cls']} $A {names['sep']}",
+            pair=f"{names['cls']} $A {names['sep']} $B:1 {names['sep']}:1",
+            special_tokens=[(names["cls"], cls_id), (names["sep"], sep_id)],
+        )
     elif cfg.kind == "unigram":
         eos_id = tok.token_to_id(names["eos"])
         tok.post_processor = processors.TemplateProcessing(
-            single=f"$A {names['eos']}", pair=f"$A {names['eos']} $B:1 {names['eos']}:1",
-            special_tokens=[(names["eos"], eos_id)])
+            single=f"$A {names['eos']}",
+            pair=f"$A {names['eos']} $B:1 {names['eos']}:1",
+            special_tokens=[(names["eos"], eos_id)],
+        )
     return _normalise(tok)
 
 
-def _batches(texts: Iterable[str], max_bytes: Optional[int], seen: dict) -> Iterator[list[str]]:
+def _batches(texts: Iterable[str], max_bytes: int | None, seen: dict) -> Iterator[list[str]]:
     batch: list[str] = []
     for text in texts:
         size = len(text.encode("utf-8", "surrogatepass"))
@@ -275,9 +328,15 @@ def tokenizer_kind(tok: Tokenizer) -> dict:
     return {"model": d["model"]["type"], "pre_tokenizers": pre_types - {None}}
 
 
-def check_tokenizer(tokenizer: Tokenizer, objective: str, model_vocab_size: Optional[int] = None, *,
-                    block_size: Optional[int] = None, noise_density: float = 0.15,
-                    mean_span_length: float = 3.0) -> SpecialTokens:
+def check_tokenizer(
+    tokenizer: Tokenizer,
+    objective: str,
+    model_vocab_size: int | None = None,
+    *,
+    block_size: int | None = None,
+    noise_density: float = 0.15,
+    mean_span_length: float = 3.0,
+) -> SpecialTokens:
     """Fail with one line when `tokenizer` cannot serve `objective`; return its special tokens."""
     check_objective(objective)
     sp = SpecialTokens.from_tokenizer(tokenizer)
@@ -290,8 +349,10 @@ def check_tokenizer(tokenizer: Tokenizer, objective: str, model_vocab_size: Opti
 
     def need(ok: bool, what: str) -> None:
         if not ok:
-            raise DataError(f"tokenizer has no {what}, which objective {objective!r} needs; train one "
-                            "(leave tokenizer.path empty) or load a tokenizer.json that has it")
+            raise DataError(
+                f"tokenizer has no {what}, which objective {objective!r} needs; train one "
+                "(leave tokenizer.path empty) or load a tokenizer.json that has it"
+            )
 
     if objective == "mlm":
         need(sp.mask_id is not None, f"mask token ({' or '.join(ROLE_SPELLINGS['mask'][:2])})")
@@ -305,13 +366,17 @@ def check_tokenizer(tokenizer: Tokenizer, objective: str, model_vocab_size: Opti
         if block_size is not None:
             spans = span_lengths(block_size, noise_density, mean_span_length).noise_spans
             if len(sp.sentinel_ids) < spans:
-                raise DataError(f"span corruption of data.block_size={block_size} needs {spans} sentinel tokens "
-                                f"but the tokenizer has {len(sp.sentinel_ids)} (raise tokenizer.num_sentinels)")
+                raise DataError(
+                    f"span corruption of data.block_size={block_size} needs {spans} sentinel tokens "
+                    f"but the tokenizer has {len(sp.sentinel_ids)} (raise tokenizer.num_sentinels)"
+                )
     elif objective == "seq2seq":
         need(sp.pad_id is not None, "pad token ([PAD] or <pad>)")
         need(sp.eos_id is not None or sp.sep_id is not None, "eos token (</s>)")
     else:
         need(sp.pad_id is not None, "pad token ([PAD] or <pad>)")
-        need(tokenizer.post_processor is not None or sp.sep_id is not None or sp.eos_id is not None,
-             "segment separator ([SEP], <sep> or </s>)")
+        need(
+            tokenizer.post_processor is not None or sp.sep_id is not None or sp.eos_id is not None,
+            "segment separator ([SEP], <sep> or </s>)",
+        )
     return sp

@@ -65,8 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ConfigError, TransformerConfig
-
+from lit_transformer.model.config import ConfigError, TransformerConfig
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -111,7 +110,11 @@ def _stacks(cfg: TransformerConfig) -> list[tuple[str, int, bool]]:
 
 # Breakdown keys that count as embeddings (Kaplan et al. 2020's non-embedding count leaves them out).
 EMBEDDING_KEYS = (
-    "embeddings.tokens", "embeddings.token_types", "embeddings.positions", "lm_head.unembedding", "lm_head.bias",
+    "embeddings.tokens",
+    "embeddings.token_types",
+    "embeddings.positions",
+    "lm_head.unembedding",
+    "lm_head.bias",
 )
 
 
@@ -178,8 +181,15 @@ class TrainFlops:
 
     @property
     def total(self) -> int:
-        return (self.encoder_dense + self.encoder_attention + self.decoder_dense + self.decoder_attention
-                + self.cross_kv_projection + self.cross_attention + self.lm_head)
+        return (
+            self.encoder_dense
+            + self.encoder_attention
+            + self.decoder_dense
+            + self.decoder_attention
+            + self.cross_kv_projection
+            + self.cross_attention
+            + self.lm_head
+        )
 
     @property
     def attention(self) -> int:
@@ -202,11 +212,12 @@ def train_flops(cfg: TransformerConfig, seq_len: int, decoder_seq_len: int | Non
     qo, kv = _attention_weights(cfg)
     layer_weights = qo + kv + _ffn_weights(cfg)
     score_flops = 12 * cfg.n_heads * cfg.dim_per_head  # per (query, key) pair and layer, training
-    head_weights = cfg.vocab_size * cfg.d_model + (cfg.d_model ** 2 if cfg.lm_head == "bert_mlm" else 0)
+    head_weights = cfg.vocab_size * cfg.d_model + (cfg.d_model**2 if cfg.lm_head == "bert_mlm" else 0)
     if cfg.arch == "encoder":
         S = seq_len
         return TrainFlops(
-            seq_len=S, decoder_seq_len=None,
+            seq_len=S,
+            decoder_seq_len=None,
             encoder_dense=6 * cfg.n_layers * layer_weights * S,
             encoder_attention=cfg.n_layers * score_flops * S * S,
             lm_head=6 * head_weights * S,
@@ -214,7 +225,8 @@ def train_flops(cfg: TransformerConfig, seq_len: int, decoder_seq_len: int | Non
     if cfg.arch == "decoder":
         T = seq_len
         return TrainFlops(
-            seq_len=T, decoder_seq_len=None,
+            seq_len=T,
+            decoder_seq_len=None,
             decoder_dense=6 * cfg.n_layers * layer_weights * T,
             decoder_attention=cfg.n_layers * score_flops * T * T,
             lm_head=6 * head_weights * T,
@@ -225,7 +237,8 @@ def train_flops(cfg: TransformerConfig, seq_len: int, decoder_seq_len: int | Non
         raise ConfigError(f"decoder_seq_len={decoder_seq_len} must be positive")
     L_dec = cfg.decoder_layers
     return TrainFlops(
-        seq_len=S, decoder_seq_len=T,
+        seq_len=S,
+        decoder_seq_len=T,
         encoder_dense=6 * cfg.n_layers * layer_weights * S,
         encoder_attention=cfg.n_layers * score_flops * S * S,
         decoder_dense=6 * L_dec * (layer_weights + qo) * T,  # cross-attention queries and output per target token

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm
-from .linear_attention import LinearMask, LinearState, linear_attention
-from .masks import IntervalMask, masked_attention
-from .positions import apply_rope
+from lit_transformer.model.layers import RMSNorm
+from lit_transformer.model.linear_attention import LinearMask, LinearState, linear_attention
+from lit_transformer.model.masks import IntervalMask, masked_attention
+from lit_transformer.model.positions import apply_rope
 
 
 def masked_value(dtype: torch.dtype) -> float:
@@ -57,7 +57,13 @@ def attend(
         if _matmuls_faster(q, k, is_causal):
             return _matmul_attention(q, k, v, bias, is_causal=is_causal, scale=scale, dropout=dropout)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=dropout, is_causal=is_causal, scale=scale,
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            dropout_p=dropout,
+            is_causal=is_causal,
+            scale=scale,
             enable_gqa=n_kv != n_heads,
         )
     # Math path: the explicit reference, kept readable rather than fast.
@@ -92,7 +98,7 @@ def _matmuls_faster(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> bool:
     return B * H * T * S <= _MAX_SCORES
 
 
-_MAX_SCORES = 2 ** 25  # (B, H, T, S) elements: 64 MiB of bf16 probabilities per layer
+_MAX_SCORES = 2**25  # (B, H, T, S) elements: 64 MiB of bf16 probabilities per layer
 _MAX_CAUSAL_KEYS = 512
 
 
@@ -121,8 +127,16 @@ class KVCache:
     of everything cached (for masks and relative biases), and the cross-attention keys and
     values, computed once from the encoder output."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         shape = (n_layers, batch, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, K, M, D)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
@@ -138,8 +152,9 @@ class KVCache:
         self.values = self.values.index_select(1, index)
         self.key_mask = self.key_mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
-        self.cross = [None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
-                      for kv in self.cross]
+        self.cross = [
+            None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index)) for kv in self.cross
+        ]
 
 
 class RollingKVCache(KVCache):
@@ -150,8 +165,16 @@ class RollingKVCache(KVCache):
     overwrites exactly the token that leaves its window, so a decoding step attends over the
     ring itself; a longer chunk (the prompt) attends over ring + chunk, then keeps its last M."""
 
-    def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, window: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        window: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         super().__init__(n_layers, batch, kv_heads, head_dim, window, dtype, device)
         self.slot_index = torch.full((window,), -1, dtype=torch.long, device=device)  # (M,)
         self.capacity = sys.maxsize  # tokens it can take; the memory is `window` slots
@@ -163,8 +186,11 @@ class RollingKVCache(KVCache):
         T, start, M = new_mask.shape[1], self.length, self.window
         index = torch.arange(start, start + T, device=new_mask.device)  # (T,)
         if T > 1:  # attend over ring + chunk (the ring's old entries first)
-            seen = (torch.cat((self.slot_index, index)), torch.cat((self.key_mask, new_mask), 1),
-                    torch.cat((self.positions, new_positions), 1))
+            seen = (
+                torch.cat((self.slot_index, index)),
+                torch.cat((self.key_mask, new_mask), 1),
+                torch.cat((self.positions, new_positions), 1),
+            )
         keep = slice(max(0, T - M), T)  # the last M new tokens stay
         slots = index[keep] % M
         self.slot_index[slots] = index[keep]
@@ -185,8 +211,8 @@ class RollingKVCache(KVCache):
         if T > 1:
             keys = torch.cat((self.keys[layer], k), dim=2)  # (B, K, M + T, D)
             values = torch.cat((self.values[layer], v), dim=2)
-        self.keys[layer][:, :, slots] = k[:, :, T - len(slots):]
-        self.values[layer][:, :, slots] = v[:, :, T - len(slots):]
+        self.keys[layer][:, :, slots] = k[:, :, T - len(slots) :]
+        self.values[layer][:, :, slots] = v[:, :, T - len(slots) :]
         if T > 1:
             return keys, values
         return self.keys[layer], self.values[layer]  # (B, K, M, D)
@@ -195,8 +221,20 @@ class RollingKVCache(KVCache):
 class Attention(nn.Module):
     """Multi-head attention with K <= H key/value heads (K = H: MHA, K = 1: MQA, else GQA)."""
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *, bias: bool,
-                 dropout: float, scale: bool, impl: str, qk_norm: bool = False, norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        bias: bool,
+        dropout: float,
+        scale: bool,
+        impl: str,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = 1.0 / math.sqrt(head_dim) if scale else 1.0
@@ -256,8 +294,16 @@ class Attention(nn.Module):
             if self.impl == "sdpa":
                 out = masked_attention(q, k, v, bias, scale=self.scale, dropout=dropout)
             else:
-                out = attend(q, k, v, bias.dense_bias(torch.float32), is_causal=False, scale=self.scale,
-                             dropout=dropout, impl=self.impl)
+                out = attend(
+                    q,
+                    k,
+                    v,
+                    bias.dense_bias(torch.float32),
+                    is_causal=False,
+                    scale=self.scale,
+                    dropout=dropout,
+                    impl=self.impl,
+                )
         else:
             out = attend(q, k, v, bias, is_causal=is_causal, scale=self.scale, dropout=dropout, impl=self.impl)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)

@@ -7,16 +7,18 @@ Every invariant is checked in `__post_init__` with a message that names the valu
 from __future__ import annotations
 
 import dataclasses
-import difflib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Literal, get_args
+
+from lit_transformer.errors import closest
 
 Arch = Literal["encoder", "decoder", "encoder_decoder"]
 Position = Literal["sinusoidal", "learned", "rope", "alibi", "t5_relative", "none"]
 Norm = Literal["layernorm", "rmsnorm"]
 NormPosition = Literal["pre", "post"]
 Activation = Literal["relu", "gelu", "gelu_tanh", "relu2", "swiglu", "geglu", "geglu_tanh"]
-LMHead = Literal["linear", "bert_mlm"]
+LMHeadKind = Literal["linear", "bert_mlm"]
 AttentionImpl = Literal["sdpa", "math"]
 AttentionKind = Literal["softmax", "linear"]
 
@@ -25,12 +27,6 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid; the message names it."""
-
-
-def closest(name: str, valid) -> str:
-    """' (did you mean `x`?)' for the nearest valid name, or '' when nothing is close."""
-    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
-    return f" (did you mean `{match[0]}`?)" if match else ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +61,7 @@ class TransformerConfig:
     scale_attention: bool = True  # divide scores by sqrt(head_dim); T5 folds this into init
     type_vocab_size: int = 0  # BERT token-type (segment) embeddings; 0 for none
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
-    lm_head: LMHead = "linear"  # bert_mlm: dense + activation + norm, then decoder with bias
+    lm_head: LMHeadKind = "linear"  # bert_mlm: dense + activation + norm, then decoder with bias
     scale_decoder_output: bool = False  # T5 v1.0: hidden * d_model**-0.5 before the tied LM head
     init_std: float = 0.02
     # sdpa: torch's fused kernels (flash / memory-efficient where available); math: the
@@ -91,13 +87,9 @@ class TransformerConfig:
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}"
-            )
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}"
-            )
+            raise ConfigError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}")
         if self.position == "rope" and self.dim_per_head % 2:
             raise ConfigError(f"rope needs an even head dimension, got head_dim={self.dim_per_head}")
         if self.position == "t5_relative" and (self.relative_buckets < 2 or self.relative_max_distance < 2):
@@ -120,21 +112,29 @@ class TransformerConfig:
         if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or self.global_tokens < 0:
             raise ConfigError(f"model.global_tokens={self.global_tokens!r} must be a non-negative integer")
         if self.global_tokens and self.arch == "decoder":
-            raise ConfigError("model.global_tokens is for bidirectional stacks (arch=encoder or encoder_decoder), "
-                              "not arch='decoder'")
+            raise ConfigError(
+                "model.global_tokens is for bidirectional stacks (arch=encoder or encoder_decoder), not arch='decoder'"
+            )
         if self.global_tokens and self.sliding_window is None:
-            raise ConfigError("model.global_tokens needs model.sliding_window (without a window every token "
-                              "already attends everywhere)")
+            raise ConfigError(
+                "model.global_tokens needs model.sliding_window (without a window every token "
+                "already attends everywhere)"
+            )
         if self.attention_kind == "linear":
             if self.position in ("alibi", "t5_relative"):
-                raise ConfigError(f"model.attention_kind='linear' cannot add model.position={self.position!r}'s "
-                                  "score bias (there are no scores); use rope, learned, sinusoidal or none")
+                raise ConfigError(
+                    f"model.attention_kind='linear' cannot add model.position={self.position!r}'s "
+                    "score bias (there are no scores); use rope, learned, sinusoidal or none"
+                )
             if self.sliding_window is not None:
-                raise ConfigError("model.sliding_window is for attention_kind='softmax'; linear attention "
-                                  "already costs O(T)")
+                raise ConfigError(
+                    "model.sliding_window is for attention_kind='softmax'; linear attention already costs O(T)"
+                )
             if self.attention_dropout:
-                raise ConfigError("model.attention_dropout is for attention_kind='softmax'; linear attention "
-                                  "has no attention weights to drop")
+                raise ConfigError(
+                    "model.attention_dropout is for attention_kind='softmax'; linear attention "
+                    "has no attention weights to drop"
+                )
 
     # Derived sizes: properties so that they can never disagree with the fields.
     @property
@@ -158,7 +158,7 @@ class TransformerConfig:
         """Whether the model's own (first) stack is causal: only plain decoders are."""
         return self.arch == "decoder"
 
-    def replace(self, **changes: Any) -> "TransformerConfig":
+    def replace(self, **changes: Any) -> TransformerConfig:
         """A copy with some fields changed; an unknown field is a ConfigError naming it."""
         check_keys(changes, "model")
         return dataclasses.replace(self, **changes)
@@ -167,7 +167,7 @@ class TransformerConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], where: str = "model") -> "TransformerConfig":
+    def from_dict(cls, values: dict[str, Any], where: str = "model") -> TransformerConfig:
         check_keys(values, where)
         return cls(**values)
 
@@ -178,7 +178,7 @@ _FIELD_TYPES = {
     "norm": Norm,
     "norm_position": NormPosition,
     "activation": Activation,
-    "lm_head": LMHead,
+    "lm_head": LMHeadKind,
     "attention_impl": AttentionImpl,
     "attention_kind": AttentionKind,
 }
@@ -203,9 +203,20 @@ def _check_positive_int(name: str, value: Any) -> None:
 def transformer_base() -> TransformerConfig:
     """Vaswani et al. 2017, Table 3 'base': 65M parameters, shared 37k BPE vocabulary (en-de)."""
     return TransformerConfig(
-        arch="encoder_decoder", vocab_size=37000, d_model=512, n_heads=8, n_layers=6, d_ff=2048,
-        max_seq_len=1024, position="sinusoidal", norm="layernorm", norm_position="post",
-        activation="relu", dropout=0.1, scale_embeddings=True, tie_embeddings=True,
+        arch="encoder_decoder",
+        vocab_size=37000,
+        d_model=512,
+        n_heads=8,
+        n_layers=6,
+        d_ff=2048,
+        max_seq_len=1024,
+        position="sinusoidal",
+        norm="layernorm",
+        norm_position="post",
+        activation="relu",
+        dropout=0.1,
+        scale_embeddings=True,
+        tie_embeddings=True,
     )
 
 
@@ -217,59 +228,124 @@ def transformer_big() -> TransformerConfig:
 def bert_base() -> TransformerConfig:
     """Devlin et al. 2019 BERT-base (uncased vocabulary 30522): 110M parameters."""
     return TransformerConfig(
-        arch="encoder", vocab_size=30522, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
-        max_seq_len=512, position="learned", norm="layernorm", norm_eps=1e-12, norm_position="post",
-        embedding_norm=True, activation="gelu", dropout=0.1, attention_dropout=0.1,
-        type_vocab_size=2, tie_embeddings=True, lm_head="bert_mlm",
+        arch="encoder",
+        vocab_size=30522,
+        d_model=768,
+        n_heads=12,
+        n_layers=12,
+        d_ff=3072,
+        max_seq_len=512,
+        position="learned",
+        norm="layernorm",
+        norm_eps=1e-12,
+        norm_position="post",
+        embedding_norm=True,
+        activation="gelu",
+        dropout=0.1,
+        attention_dropout=0.1,
+        type_vocab_size=2,
+        tie_embeddings=True,
+        lm_head="bert_mlm",
     )
 
 
 def gpt2_small() -> TransformerConfig:
     """Radford et al. 2019 GPT-2 small: 124M parameters, 1024 context."""
     return TransformerConfig(
-        arch="decoder", vocab_size=50257, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
-        max_seq_len=1024, position="learned", norm="layernorm", norm_eps=1e-5, norm_position="pre",
-        activation="gelu_tanh", dropout=0.1, attention_dropout=0.1, tie_embeddings=True,
+        arch="decoder",
+        vocab_size=50257,
+        d_model=768,
+        n_heads=12,
+        n_layers=12,
+        d_ff=3072,
+        max_seq_len=1024,
+        position="learned",
+        norm="layernorm",
+        norm_eps=1e-5,
+        norm_position="pre",
+        activation="gelu_tanh",
+        dropout=0.1,
+        attention_dropout=0.1,
+        tie_embeddings=True,
     )
 
 
 def t5_base() -> TransformerConfig:
     """Raffel et al. 2020 T5-base (v1.0): 220M parameters, ReLU, tied embeddings."""
     return TransformerConfig(
-        arch="encoder_decoder", vocab_size=32128, d_model=768, n_heads=12, head_dim=64,
-        n_layers=12, d_ff=3072, max_seq_len=512, position="t5_relative", norm="rmsnorm",
-        norm_eps=1e-6, norm_position="pre", activation="relu", bias=False, dropout=0.1,
-        scale_attention=False, tie_embeddings=True, scale_decoder_output=True,
+        arch="encoder_decoder",
+        vocab_size=32128,
+        d_model=768,
+        n_heads=12,
+        head_dim=64,
+        n_layers=12,
+        d_ff=3072,
+        max_seq_len=512,
+        position="t5_relative",
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        norm_position="pre",
+        activation="relu",
+        bias=False,
+        dropout=0.1,
+        scale_attention=False,
+        tie_embeddings=True,
+        scale_decoder_output=True,
     )
 
 
 def t5_v1_1_base() -> TransformerConfig:
     """T5 v1.1 base: gated-GELU feed-forward (d_ff 2048), untied LM head, no dropout in pretraining."""
     return t5_base().replace(
-        d_ff=2048, activation="geglu_tanh", tie_embeddings=False, scale_decoder_output=False, dropout=0.0,
+        d_ff=2048,
+        activation="geglu_tanh",
+        tie_embeddings=False,
+        scale_decoder_output=False,
+        dropout=0.0,
     )
 
 
 def tinyllama_1b() -> TransformerConfig:
     """LLaMA-style decoder (TinyLlama 1.1B: RMSNorm, SwiGLU, RoPE, GQA with 4 KV heads)."""
     return TransformerConfig(
-        arch="decoder", vocab_size=32000, d_model=2048, n_heads=32, n_kv_heads=4, n_layers=22,
-        d_ff=5632, max_seq_len=2048, position="rope", norm="rmsnorm", norm_eps=1e-5,
-        norm_position="pre", activation="swiglu", bias=False, tie_embeddings=False,
+        arch="decoder",
+        vocab_size=32000,
+        d_model=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        n_layers=22,
+        d_ff=5632,
+        max_seq_len=2048,
+        position="rope",
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        norm_position="pre",
+        activation="swiglu",
+        bias=False,
+        tie_embeddings=False,
     )
 
 
 def llama2_70b() -> TransformerConfig:
     """Touvron et al. 2023 Llama 2 70B: GQA with 8 KV heads, 4096 context."""
     return tinyllama_1b().replace(
-        d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80, d_ff=28672, max_seq_len=4096,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        n_layers=80,
+        d_ff=28672,
+        max_seq_len=4096,
     )
 
 
 def gpt3_175b() -> TransformerConfig:
     """Brown et al. 2020 GPT-3 175B, Table 2.1: 96 layers, d_model 12288, 96 heads, 2048 context."""
     return gpt2_small().replace(
-        d_model=12288, n_heads=96, n_layers=96, d_ff=4 * 12288, max_seq_len=2048,
+        d_model=12288,
+        n_heads=96,
+        n_layers=96,
+        d_ff=4 * 12288,
+        max_seq_len=2048,
     )
 
 

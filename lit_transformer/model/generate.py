@@ -13,12 +13,13 @@ W buffer width (prompt + new tokens), G generated length, V vocabulary, C model 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
-from .language_model import LanguageModel
+from lit_transformer.model.language_model import LanguageModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +45,7 @@ class GenerationConfig:
     bidirectional_prompt: bool = False
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be a positive integer")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be positive")
@@ -58,15 +58,20 @@ class GenerationConfig:
         if self.length_normalization not in ("power", "gnmt"):
             raise ValueError(f"length_normalization={self.length_normalization!r} is not one of ['power', 'gnmt']")
         if self.num_beams > 1 and self.do_sample:
-            raise ValueError("beam search is deterministic here: use num_beams=1 with do_sample=True, "
-                             "or do_sample=False with num_beams>1")
+            raise ValueError(
+                "beam search is deterministic here: use num_beams=1 with do_sample=True, "
+                "or do_sample=False with num_beams>1"
+            )
 
     @property
     def eos_ids(self) -> list[int]:
         if self.eos_token_id is None:
             return []
-        if isinstance(self.eos_token_id, Sequence) or isinstance(self.eos_token_id, torch.Tensor) \
-                and self.eos_token_id.dim() > 0:
+        if (
+            isinstance(self.eos_token_id, Sequence)
+            or isinstance(self.eos_token_id, torch.Tensor)
+            and self.eos_token_id.dim() > 0
+        ):
             return [int(i) for i in self.eos_token_id]
         return [int(self.eos_token_id)]
 
@@ -85,8 +90,9 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # (B, T)
 
 
-def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """Temperature, then top-k, then nucleus (Holtzman et al. 2020) filtering: (R, V) -> (R, V)
     with removed tokens at -inf. top_p keeps the smallest set of most likely tokens whose
     probability reaches p; the most likely token is always kept."""
@@ -104,13 +110,13 @@ def filter_logits(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int 
     return logits
 
 
-def sample_next(logits: torch.Tensor, config: GenerationConfig,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """One token per row (R, V) -> (R,): argmax, or a draw from the filtered distribution."""
     if not config.do_sample:
         return logits.argmax(-1)
-    probs = filter_logits(logits, temperature=config.temperature, top_k=config.top_k,
-                          top_p=config.top_p).softmax(-1)
+    probs = filter_logits(logits, temperature=config.temperature, top_k=config.top_k, top_p=config.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
@@ -122,21 +128,34 @@ class StepDecoder:
     bidirectional_prompt (decoder-only; an encoder-decoder's encoder already is): the prompt's
     tokens all see each other (prefix LM), the new tokens are causal."""
 
-    def __init__(self, model: LanguageModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 *, max_new_tokens: int, use_cache: bool = True, pad_token_id: int = 0,
-                 decoder_start_token_id: int | None = None, expand: int = 1, bidirectional_prompt: bool = False):
+    def __init__(
+        self,
+        model: LanguageModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        use_cache: bool = True,
+        pad_token_id: int = 0,
+        decoder_start_token_id: int | None = None,
+        expand: int = 1,
+        bidirectional_prompt: bool = False,
+    ):
         cfg = model.config
         if cfg.arch == "encoder":
-            raise ValueError("generation needs a decoder; model.arch='encoder' has none "
-                             "(a masked-LM encoder fills masks, it does not write left to right)")
+            raise ValueError(
+                "generation needs a decoder; model.arch='encoder' has none "
+                "(a masked-LM encoder fills masks, it does not write left to right)"
+            )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         self.model, self.arch = model, cfg.arch
         device = model.lm_head.decoder.weight.device
         input_ids = input_ids.to(device)
         B, T = input_ids.shape
-        mask = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-                else attention_mask.to(device).bool())
+        mask = (
+            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+        )
         if mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
         real = mask.sum(1)
@@ -147,8 +166,10 @@ class StepDecoder:
         if cfg.arch == "decoder":
             needed = int(real.max()) + max_new_tokens
             if cfg.position == "learned" and needed > cfg.max_seq_len:
-                raise ValueError(f"longest prompt ({int(real.max())}) + max_new_tokens ({max_new_tokens}) = {needed} "
-                                 f"exceeds model.max_seq_len={cfg.max_seq_len} (learned positions)")
+                raise ValueError(
+                    f"longest prompt ({int(real.max())}) + max_new_tokens ({max_new_tokens}) = {needed} "
+                    f"exceeds model.max_seq_len={cfg.max_seq_len} (learned positions)"
+                )
             ids, mask = left_pad(input_ids, mask, pad_token_id)
             width = T + max_new_tokens
             self.ids = torch.full((B, width), pad_token_id, dtype=torch.long, device=device)  # (B, W)
@@ -161,12 +182,15 @@ class StepDecoder:
             self.prompt_length = T
         else:
             if cfg.position == "learned" and 1 + max_new_tokens > cfg.max_seq_len:
-                raise ValueError(f"1 + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len={cfg.max_seq_len} "
-                                 "(learned decoder positions)")
+                raise ValueError(
+                    f"1 + max_new_tokens ({max_new_tokens}) exceeds model.max_seq_len={cfg.max_seq_len} "
+                    "(learned decoder positions)"
+                )
             # Positions from the mask make the encoder indifferent to the padding side; for
             # right padding they equal the arange used in training.
-            self.memory = model.transformer.encode(input_ids, mask if self.padded else None,
-                                                   position_ids=positions_from_mask(mask))  # (B, T, C)
+            self.memory = model.transformer.encode(
+                input_ids, mask if self.padded else None, position_ids=positions_from_mask(mask)
+            )  # (B, T, C)
             self.memory_mask = mask if self.padded else None
             width = 1 + max_new_tokens
             start = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
@@ -189,22 +213,28 @@ class StepDecoder:
 
     @property
     def sequences(self) -> torch.Tensor:
-        return self.ids[:, :self.length]  # (R, T + G)
+        return self.ids[:, : self.length]  # (R, T + G)
 
     def next_logits(self) -> torch.Tensor:
         """Float32 logits (R, V) for the token after the current sequences. With the cache only
         the tokens not yet cached go through the model (the prompt first, then one per step)."""
         start = self.cache.length if self.cache is not None else 0
-        ids = self.ids[:, start:self.length]
+        ids = self.ids[:, start : self.length]
         mask = positions = None
         if self.arch == "decoder":
-            positions = self.positions[:, start:self.length]
+            positions = self.positions[:, start : self.length]
             # With a cache the mask covers only the new tokens (the cache keeps the rest).
             if self.padded and (self.cache is None or start == 0):
-                mask = self.mask[:, :self.length]
-        hidden = self.model.transformer.decode(ids, mask, memory=self.memory, memory_mask=self.memory_mask,
-                                               position_ids=positions, cache=self.cache,
-                                               prefix_lengths=self.prefix_lengths)  # (R, t, C)
+                mask = self.mask[:, : self.length]
+        hidden = self.model.transformer.decode(
+            ids,
+            mask,
+            memory=self.memory,
+            memory_mask=self.memory_mask,
+            position_ids=positions,
+            cache=self.cache,
+            prefix_lengths=self.prefix_lengths,
+        )  # (R, t, C)
         return self.model.lm_head(hidden[:, -1:])[:, 0].float()  # only the last position: (R, V)
 
     def append(self, tokens: torch.Tensor) -> None:
@@ -254,26 +284,46 @@ def generate(
     model's device.
     """
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        num_beams=num_beams, length_penalty=length_penalty, length_normalization=length_normalization,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        decoder_start_token_id=decoder_start_token_id, use_cache=use_cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        length_normalization=length_normalization,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        decoder_start_token_id=decoder_start_token_id,
+        use_cache=use_cache,
         bidirectional_prompt=bidirectional_prompt,
     )
     return generate_with(model, input_ids, attention_mask, config, generator=generator)
 
 
 @torch.inference_mode()
-def generate_with(model: LanguageModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                  config: GenerationConfig, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def generate_with(
+    model: LanguageModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    config: GenerationConfig,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """`generate` with the options in a GenerationConfig (e.g. built from a recipe)."""
     was_training = model.training
     model.eval()
     try:
         decoder = StepDecoder(
-            model, input_ids, attention_mask, max_new_tokens=config.max_new_tokens, use_cache=config.use_cache,
-            pad_token_id=config.pad_token_id, decoder_start_token_id=config.decoder_start_token_id,
-            expand=config.num_beams, bidirectional_prompt=config.bidirectional_prompt,
+            model,
+            input_ids,
+            attention_mask,
+            max_new_tokens=config.max_new_tokens,
+            use_cache=config.use_cache,
+            pad_token_id=config.pad_token_id,
+            decoder_start_token_id=config.decoder_start_token_id,
+            expand=config.num_beams,
+            bidirectional_prompt=config.bidirectional_prompt,
         )
         if config.num_beams > 1:
             return beam_search(decoder, config)
@@ -313,7 +363,7 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     N, G, lp = config.num_beams, config.max_new_tokens, config.length_penalty
 
     def norm(n: int) -> float:  # both forms grow with n when lp > 0, so the stopping bound holds
-        return ((5 + n) / 6) ** lp if config.length_normalization == "gnmt" else n ** lp
+        return ((5 + n) / 6) ** lp if config.length_normalization == "gnmt" else n**lp
 
     R, device = decoder.ids.shape[0], decoder.ids.device
     B = R // N
@@ -367,8 +417,8 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     generated = best[:, :length]
     if eos is not None:  # trim columns where every row is already padding after its eos
         ends = _lengths_after_eos(generated, eos)
-        generated = generated[:, :int(ends.max())]
-    prompt = decoder.ids[::N, :decoder.prompt_length]  # (B, T): identical within a group
+        generated = generated[:, : int(ends.max())]
+    prompt = decoder.ids[::N, : decoder.prompt_length]  # (B, T): identical within a group
     return torch.cat((prompt, generated), dim=1)
 
 
@@ -390,6 +440,13 @@ def _lengths_after_eos(generated: torch.Tensor, eos: torch.Tensor) -> torch.Tens
 
 
 __all__ = [
-    "GenerationConfig", "StepDecoder", "beam_search", "filter_logits", "generate", "generate_with", "left_pad",
-    "positions_from_mask", "sample_next",
+    "GenerationConfig",
+    "StepDecoder",
+    "beam_search",
+    "filter_logits",
+    "generate",
+    "generate_with",
+    "left_pad",
+    "positions_from_mask",
+    "sample_next",
 ]

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .layers import activation_fn, make_norm
+from lit_transformer.model.layers import activation_fn, make_norm
 
 Pooling = Literal["first", "mean", "last"]
 
@@ -19,9 +19,19 @@ class LMHead(nn.Module):
     """Hidden states to vocabulary logits; `tied_to` shares the token embedding matrix
     (Press & Wolf 2017). bert_mlm adds BERT's transform: dense, activation, norm."""
 
-    def __init__(self, d_model: int, vocab_size: int, *, tied_to: nn.Embedding | None, bias: bool,
-                 transform: bool = False, activation: str = "gelu", norm: str = "layernorm",
-                 norm_eps: float = 1e-12, input_scale: float = 1.0):
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int,
+        *,
+        tied_to: nn.Embedding | None,
+        bias: bool,
+        transform: bool = False,
+        activation: str = "gelu",
+        norm: str = "layernorm",
+        norm_eps: float = 1e-12,
+        input_scale: float = 1.0,
+    ):
         super().__init__()
         self.dense = nn.Linear(d_model, d_model) if transform else None
         self.act = activation_fn(activation) if transform else None
@@ -62,8 +72,9 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None, how: str) ->
 class ClassificationHead(nn.Module):
     """Pool, then an optional dense+tanh layer (BERT's pooler), dropout, and a linear layer to N outputs."""
 
-    def __init__(self, d_model: int, n_outputs: int, *, pooling: str = "first", hidden_layer: bool = True,
-                 dropout: float = 0.1):
+    def __init__(
+        self, d_model: int, n_outputs: int, *, pooling: str = "first", hidden_layer: bool = True, dropout: float = 0.1
+    ):
         super().__init__()
         self.pooling = pooling
         self.dense = nn.Linear(d_model, d_model) if hidden_layer else None

@@ -8,9 +8,9 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention
-from .config import TransformerConfig
-from .layers import FeedForward, RMSNorm
+from lit_transformer.model.attention import Attention
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.layers import FeedForward, RMSNorm
 
 
 @torch.no_grad()

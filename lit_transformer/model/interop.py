@@ -30,22 +30,31 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import TransformerConfig
-from .init import init_weights
-from .interop_maps import FAMILIES, Family, InteropError, family_for_export, to_core, to_hf
-from .language_model import LanguageModel
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.init import init_weights
+from lit_transformer.model.interop_maps import FAMILIES, Family, InteropError, family_for_export, to_core, to_hf
+from lit_transformer.model.language_model import LanguageModel
 
 __all__ = ["InteropError", "export_hf", "load_pretrained", "save_pretrained"]
 
 NATIVE_FORMAT = 1  # the "lit_transformer" key of our config.json; bump when the layout changes
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- loading
-def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | None = None,
-                    dtype: torch.dtype = torch.float32, head_seed: int = 0) -> LanguageModel:
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    head_seed: int = 0,
+) -> LanguageModel:
     """A LanguageModel from a transformers or lit-transformer directory, in eval mode.
 
     A checkpoint without its LM head (BertModel, GPT2Model, ...) gets an `init_weights` head
@@ -74,8 +83,10 @@ def load_pretrained(path: str | os.PathLike, *, device: torch.device | str | Non
 
 def _load_native(path: Path, raw: dict[str, Any]) -> LanguageModel:
     if raw["lit_transformer"] != NATIVE_FORMAT:
-        raise InteropError(f"{path / 'config.json'}: lit_transformer format {raw['lit_transformer']!r}; "
-                           f"this version reads format {NATIVE_FORMAT}")
+        raise InteropError(
+            f"{path / 'config.json'}: lit_transformer format {raw['lit_transformer']!r}; "
+            f"this version reads format {NATIVE_FORMAT}"
+        )
     if not isinstance(raw.get("model"), dict):
         raise InteropError(f"{path / 'config.json'}: a lit_transformer config needs the model config under 'model'")
     cfg = TransformerConfig.from_dict(raw["model"], where=f"{path / 'config.json'}: model")
@@ -91,16 +102,21 @@ def _family(raw: dict[str, Any], config_file: Path) -> Family:
     architectures = raw.get("architectures") or []
     model_type = raw.get("model_type")
     if model_type is None:  # very old configs name only the class
-        model_type = next((f.model_type for f in FAMILIES.values() for a in architectures if a in f.architectures),
-                          None)
+        model_type = next(
+            (f.model_type for f in FAMILIES.values() for a in architectures if a in f.architectures), None
+        )
     if model_type not in FAMILIES:
-        raise InteropError(f"{config_file}: unsupported model_type {model_type!r}; supported: "
-                           f"{', '.join(FAMILIES)} (or a lit-transformer model directory)")
+        raise InteropError(
+            f"{config_file}: unsupported model_type {model_type!r}; supported: "
+            f"{', '.join(FAMILIES)} (or a lit-transformer model directory)"
+        )
     family = FAMILIES[model_type]
     for name in architectures:
         if name not in family.architectures:
-            raise InteropError(f"{config_file}: unsupported architecture {name!r}; supported for "
-                               f"{model_type}: {', '.join(family.architectures)}")
+            raise InteropError(
+                f"{config_file}: unsupported architecture {name!r}; supported for "
+                f"{model_type}: {', '.join(family.architectures)}"
+            )
     return family
 
 
@@ -131,9 +147,12 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             loaded = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as error:  # refused pickled code, or a truncated / corrupted file
             blocked = re.search(r"GLOBAL (\S+)", str(error))
-            raise InteropError(f"{file}: refused: it pickles {blocked.group(1)}, not only tensors; weights load "
-                               "with weights_only=True, so it did not run" if blocked else
-                               f"{file}: not a readable PyTorch weights file ({type(error).__name__})") from None
+            raise InteropError(
+                f"{file}: refused: it pickles {blocked.group(1)}, not only tensors; weights load "
+                "with weights_only=True, so it did not run"
+                if blocked
+                else f"{file}: not a readable PyTorch weights file ({type(error).__name__})"
+            ) from None
         if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor) for t in loaded.values()):
             raise InteropError(f"{file}: not a state dict of tensors")
         tensors.update(loaded)
@@ -145,11 +164,18 @@ def _load_transformers(path: Path, raw: dict[str, Any], family: Family, head_see
     if family.prefix and not any(name.startswith(family.prefix) for name in tensors):
         tensors = {family.prefix + name: t for name, t in tensors.items()}  # a bare base-model checkpoint
     architectures = raw.get("architectures") or []
-    head = (family.architectures[architectures[0]] if architectures
-            else any(name.startswith(family.head_prefixes) for name in tensors))
+    head = (
+        family.architectures[architectures[0]]
+        if architectures
+        else any(name.startswith(family.head_prefixes) for name in tensors)
+    )
     cfg = family.config_from_hf(raw, head)
-    if (cfg.tie_embeddings and family.embedding in tensors and family.head_weight in tensors
-            and not torch.equal(tensors[family.embedding], tensors[family.head_weight])):
+    if (
+        cfg.tie_embeddings
+        and family.embedding in tensors
+        and family.head_weight in tensors
+        and not torch.equal(tensors[family.embedding], tensors[family.head_weight])
+    ):
         # As transformers does: a config that says tied but a checkpoint holding two different
         # matrices means untied (transformers 5 writes tie_word_embeddings=true for every T5).
         cfg = cfg.replace(tie_embeddings=False)
@@ -169,8 +195,10 @@ def _load_transformers(path: Path, raw: dict[str, Any], family: Family, head_see
             core[name], source[name] = tensor, present[0]
     unexpected = [name for name in tensors if name not in used and not family.is_ignored(name)]
     if missing or unexpected:
-        raise InteropError(f"{path}: the checkpoint does not match the transformers {family.name} layout its "
-                           f"config.json describes: {_listing(missing, unexpected)}")
+        raise InteropError(
+            f"{path}: the checkpoint does not match the transformers {family.name} layout its "
+            f"config.json describes: {_listing(missing, unexpected)}"
+        )
     ignored = [name for name in tensors if name not in used]
     if ignored:
         log.info("%s: ignored %d tensors (%s): %s", path, len(ignored), family.ignored_note, _names(ignored))
@@ -181,8 +209,13 @@ def _load_transformers(path: Path, raw: dict[str, Any], family: Family, head_see
             torch.manual_seed(head_seed)
             init_weights(model.lm_head, cfg)
         what = architectures[0] if architectures else "the checkpoint"
-        log.warning("%s: %s has no LM head; lm_head is initialised by init_weights under seed %d%s", path, what,
-                    head_seed, " (its decoder tied to the embeddings)" if cfg.tie_embeddings else "")
+        log.warning(
+            "%s: %s has no LM head; lm_head is initialised by init_weights under seed %d%s",
+            path,
+            what,
+            head_seed,
+            " (its decoder tied to the embeddings)" if cfg.tie_embeddings else "",
+        )
     _fill(model, core, str(path), source=source, optional_prefix=None if head else "lm_head.")
     return model
 
@@ -196,8 +229,14 @@ def _parameter_groups(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 @torch.no_grad()
-def _fill(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str, *,
-          source: dict[str, str] | None = None, optional_prefix: str | None = None) -> None:
+def _fill(
+    model: torch.nn.Module,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    *,
+    source: dict[str, str] | None = None,
+    optional_prefix: str | None = None,
+) -> None:
     """Copy `tensors` (core names, any alias of a tied group) into the model, strictly. Groups
     whose names all start with `optional_prefix` may be absent (they keep their init)."""
     source = source or {}
@@ -211,20 +250,27 @@ def _fill(model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str, 
         first = group_of[name]
         if first in chosen:
             if not torch.equal(tensors[chosen[first]], tensors[name]):
-                raise InteropError(f"{where}: {chosen[first]} and {name} are one tied tensor in this config, "
-                                   "but the checkpoint holds different values")
+                raise InteropError(
+                    f"{where}: {chosen[first]} and {name} are one tied tensor in this config, "
+                    "but the checkpoint holds different values"
+                )
             continue
         chosen[first] = name
-    missing = [first for first, names in groups.items() if first not in chosen
-               and not (optional_prefix and all(n.startswith(optional_prefix) for n in names))]
+    missing = [
+        first
+        for first, names in groups.items()
+        if first not in chosen and not (optional_prefix and all(n.startswith(optional_prefix) for n in names))
+    ]
     if missing or unexpected:
         raise InteropError(f"{where}: the weights do not match the model config: {_listing(missing, unexpected)}")
     state = model.state_dict(keep_vars=True)
     for first, name in chosen.items():
         target, tensor = state[first], tensors[name]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise InteropError(f"{where}: {source.get(name, name)} has shape {tuple(tensor.shape)}; "
-                               f"the config makes {first} {tuple(target.shape)}")
+            raise InteropError(
+                f"{where}: {source.get(name, name)} has shape {tuple(tensor.shape)}; "
+                f"the config makes {first} {tuple(target.shape)}"
+            )
         target.copy_(tensor)
 
 
@@ -266,8 +312,7 @@ def save_pretrained(model: LanguageModel, out_dir: str | os.PathLike, *, objecti
     return _write_dir(Path(out_dir), config, tensors)
 
 
-def export_hf(model: LanguageModel, out_dir: str | os.PathLike, *,
-              extra_config: dict[str, Any] | None = None) -> Path:
+def export_hf(model: LanguageModel, out_dir: str | os.PathLike, *, extra_config: dict[str, Any] | None = None) -> Path:
     """Write a directory that transformers' `from_pretrained` loads as BertForMaskedLM,
     GPT2LMHeadModel, T5ForConditionalGeneration or LlamaForCausalLM, with the same logits.
 
@@ -293,8 +338,13 @@ def export_hf(model: LanguageModel, out_dir: str | os.PathLike, *,
     left = [first for first, names in groups.items() if not exported.intersection(names)]
     if left:  # a field the family's checks let through but its layout has no place for
         raise InteropError(f"cannot export to transformers {family.name}: no place for {_names(left)}")
-    config = {"architectures": [family.export_architecture], "model_type": family.model_type, **fields,
-              "dtype": str(dtype).removeprefix("torch."), **extra}
+    config = {
+        "architectures": [family.export_architecture],
+        "model_type": family.model_type,
+        **fields,
+        "dtype": str(dtype).removeprefix("torch."),
+        **extra,
+    }
     return _write_dir(Path(out_dir), config, tensors)
 
 

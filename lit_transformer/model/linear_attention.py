@@ -59,12 +59,19 @@ class LinearState:
     def reorder(self, index: torch.Tensor) -> None:
         self.state = self.state.index_select(1, index)
         self.normalizer = self.normalizer.index_select(1, index)
-        self.cross = [None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
-                      for kv in self.cross]
+        self.cross = [
+            None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index)) for kv in self.cross
+        ]
 
 
-def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: LinearMask,
-                     state: LinearState | None = None, layer: int = 0) -> torch.Tensor:
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: LinearMask,
+    state: LinearState | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
     """q (B, H, T, D), k and v (B, K, T, D|E) -> (B, H, T, E) in q's dtype. With `state`
     (causal only) the sums start from the state and the state is advanced past these tokens."""
     n_heads, n_kv = q.shape[1], k.shape[1]
@@ -96,7 +103,7 @@ def causal_chunked(fq, fk, v, S0=None, z0=None, chunk: int = CHUNK):
     z = fq.new_zeros(B, H, D) if z0 is None else z0
     outputs = []
     for t0 in range(0, T, chunk):
-        q_c, k_c, v_c = fq[:, :, t0:t0 + chunk], fk[:, :, t0:t0 + chunk], v[:, :, t0:t0 + chunk]  # (B, H, C, .)
+        q_c, k_c, v_c = fq[:, :, t0 : t0 + chunk], fk[:, :, t0 : t0 + chunk], v[:, :, t0 : t0 + chunk]  # (B, H, C, .)
         scores = (q_c @ k_c.transpose(-2, -1)).tril()  # (B, H, C, C): keys up to the query, in this chunk
         numerator = q_c @ S + scores @ v_c  # (B, H, C, E): earlier chunks + this one
         denominator = q_c @ z[..., None] + scores.sum(-1, keepdim=True)  # (B, H, C, 1)

@@ -90,9 +90,17 @@ class IntervalMask:
         return out
 
 
-def interval_mask(q_index: torch.Tensor, n_keys: int, *, causal: bool, window: int | None,
-                  document_ids: torch.Tensor | None = None, key_mask: torch.Tensor | None = None,
-                  global_tokens: int = 0, key_index: torch.Tensor | None = None) -> IntervalMask:
+def interval_mask(
+    q_index: torch.Tensor,
+    n_keys: int,
+    *,
+    causal: bool,
+    window: int | None,
+    document_ids: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    global_tokens: int = 0,
+    key_index: torch.Tensor | None = None,
+) -> IntervalMask:
     """The IntervalMask of a stack. q_index (T,): the queries' key indices (past + arange(T)).
 
     causal: keys up to the query; a causal window w keeps the query and the w - 1 before it
@@ -109,8 +117,15 @@ def interval_mask(q_index: torch.Tensor, n_keys: int, *, causal: bool, window: i
     if document_ids is not None:
         start, end = document_bounds(document_ids)  # (B, T) each
         lo, hi = torch.maximum(lo, start), torch.minimum(hi, end)
-    return IntervalMask(lo=lo, hi=hi, q_index=q_index, n_keys=n_keys, key_mask=key_mask,
-                        global_tokens=global_tokens, key_index=key_index)
+    return IntervalMask(
+        lo=lo,
+        hi=hi,
+        q_index=q_index,
+        n_keys=n_keys,
+        key_mask=key_mask,
+        global_tokens=global_tokens,
+        key_index=key_index,
+    )
 
 
 def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +147,9 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(document_ids.shape[1], device=document_ids.device) - start
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask, *,
-                     scale: float, dropout: float) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask, *, scale: float, dropout: float
+) -> torch.Tensor:
     """softmax(q k^T * scale, masked by `mask`) v for q (B, H, T, D), k and v (B, K, S, D).
 
     Three routes to the same numbers: flex_attention with the block mask when one was built
@@ -148,13 +164,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: In
         return flex_attention(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
     if T * S <= DENSE_LIMIT or mask.key_index is not None:
         bias = mask.dense_bias(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scale,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=scale, enable_gqa=gqa)
     return chunked_attention(q, k, v, mask, scale=scale, dropout=dropout)
 
 
-def chunked_attention(q, k, v, mask: IntervalMask, *, scale: float, dropout: float,
-                      size: int = CHUNK) -> torch.Tensor:
+def chunked_attention(q, k, v, mask: IntervalMask, *, scale: float, dropout: float, size: int = CHUNK) -> torch.Tensor:
     """The blocked route of `masked_attention`; shapes as there."""
     gqa = k.shape[1] != q.shape[1]
     g = mask.global_tokens
@@ -168,8 +182,11 @@ def chunked_attention(q, k, v, mask: IntervalMask, *, scale: float, dropout: flo
             k_c, v_c = k[:, :, s0:s1], v[:, :, s0:s1]
         keep = mask.keep(slice(t0, t1), keys)  # (B|1, 1, Tc, Sc)
         bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, torch.finfo(q.dtype).min)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k_c, v_c, attn_mask=bias, dropout_p=dropout,
-                                                      scale=scale, enable_gqa=gqa))  # (B, H, Tc, D)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, t0:t1], k_c, v_c, attn_mask=bias, dropout_p=dropout, scale=scale, enable_gqa=gqa
+            )
+        )  # (B, H, Tc, D)
     return torch.cat(outputs, dim=2)  # (B, H, T, D)
 
 

@@ -11,19 +11,26 @@ import math
 import torch
 from torch import nn
 
-from .attention import Attention, KVCache, RollingKVCache, compute_dtype, masked_value
-from .config import TransformerConfig
-from .layers import FeedForward, make_norm
-from .linear_attention import LinearMask, LinearState
-from .masks import document_positions, flex_block_mask, interval_mask
-from .positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
+from lit_transformer.model.attention import Attention, KVCache, RollingKVCache, compute_dtype, masked_value
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.layers import FeedForward, make_norm
+from lit_transformer.model.linear_attention import LinearMask, LinearState
+from lit_transformer.model.masks import document_positions, flex_block_mask, interval_mask
+from lit_transformer.model.positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
 
 
 def _attention(cfg: TransformerConfig) -> Attention:
     return Attention(
-        cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_per_head, bias=cfg.bias,
-        dropout=cfg.attention_dropout, scale=cfg.scale_attention, impl=cfg.attention_impl,
-        qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.dim_per_head,
+        bias=cfg.bias,
+        dropout=cfg.attention_dropout,
+        scale=cfg.scale_attention,
+        impl=cfg.attention_impl,
+        qk_norm=cfg.qk_norm,
+        norm_eps=cfg.norm_eps,
     )
 
 
@@ -40,8 +47,14 @@ class Embeddings(nn.Module):
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, *, max_position: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        *,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
         """`max_position`: the largest entry of `positions` when the caller knows it (it built
         them), which spares the check below a device-to-host sync."""
         x = self.tokens(input_ids)  # (B, T, C)
@@ -54,8 +67,7 @@ class Embeddings(nn.Module):
             largest = int(positions.max()) if max_position is None else max_position
             if largest >= self.positions.num_embeddings:
                 raise ValueError(
-                    f"position {largest} is past model.max_seq_len={self.positions.num_embeddings} "
-                    "(learned positions)"
+                    f"position {largest} is past model.max_seq_len={self.positions.num_embeddings} (learned positions)"
                 )
             if positions.stride(0) == 0:  # one row expanded over the batch: look it up once
                 x = x + self.positions(positions[:1])  # (1, T, C)
@@ -82,8 +94,7 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, bias, *, is_causal=False, rope=None, memory=None, memory_bias=None,
-                cache=None, layer=0):
+    def forward(self, x, bias, *, is_causal=False, rope=None, memory=None, memory_bias=None, cache=None, layer=0):
         drop = self.dropout
 
         def attn(h):
@@ -106,14 +117,14 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """An encoder (bidirectional) or decoder (causal, optionally cross-attending) stack."""
 
-    def __init__(self, cfg: TransformerConfig, n_layers: int, *, causal: bool, cross: bool,
-                 tokens: nn.Embedding):
+    def __init__(self, cfg: TransformerConfig, n_layers: int, *, causal: bool, cross: bool, tokens: nn.Embedding):
         super().__init__()
         self.cfg, self.causal = cfg, causal
         self.embed = Embeddings(cfg, tokens)
         self.relative_bias = (
             RelativePositionBias(cfg.n_heads, cfg.relative_buckets, cfg.relative_max_distance, bidirectional=not causal)
-            if cfg.position == "t5_relative" else None
+            if cfg.position == "t5_relative"
+            else None
         )
         self.blocks = nn.ModuleList(Block(cfg, cross) for _ in range(n_layers))
         self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
@@ -169,8 +180,9 @@ class Stack(nn.Module):
         if memory is not None and memory_mask is not None and not _all_true(memory_mask, cache):
             memory_bias = _padding_bias(memory_mask.bool(), dtype)  # (B, 1, 1, S)
         for i, block in enumerate(self.blocks):
-            x = block(x, bias, is_causal=is_causal, rope=rope, memory=memory, memory_bias=memory_bias,
-                      cache=cache, layer=i)
+            x = block(
+                x, bias, is_causal=is_causal, rope=rope, memory=memory, memory_bias=memory_bias, cache=cache, layer=i
+            )
         if cache is not None:
             cache.length = past + T
         if self.final_norm is not None:
@@ -181,25 +193,39 @@ class Stack(nn.Module):
         """prefix_lengths need `_self_bias`'s dense bias: the structured masks (masks.py) hold
         intervals ending at the query, and linear attention's running sums see no later key."""
         if not self.causal:
-            raise ValueError("prefix_lengths (attention modes) are for causal stacks; an encoder is already "
-                             "bidirectional")
+            raise ValueError(
+                "prefix_lengths (attention modes) are for causal stacks; an encoder is already bidirectional"
+            )
         cfg = self.cfg
-        why = ("model.sliding_window is set" if cfg.sliding_window is not None
-               else "model.attention_kind='linear'" if cfg.attention_kind == "linear"
-               else "document_ids are given (packed rows)" if document_ids is not None
-               else "the cache is a RollingKVCache" if isinstance(cache, RollingKVCache) else None)
+        why = (
+            "model.sliding_window is set"
+            if cfg.sliding_window is not None
+            else "model.attention_kind='linear'"
+            if cfg.attention_kind == "linear"
+            else "document_ids are given (packed rows)"
+            if document_ids is not None
+            else "the cache is a RollingKVCache"
+            if isinstance(cache, RollingKVCache)
+            else None
+        )
         if why is not None:
             raise ValueError(f"prefix_lengths (attention modes) need full softmax attention; {why}")
         if prefix_lengths.shape != (B,) or prefix_lengths.is_floating_point() or prefix_lengths.dtype == torch.bool:
-            raise ValueError(f"prefix_lengths must be integers of shape ({B},), one per row; got "
-                             f"{prefix_lengths.dtype} of shape {tuple(prefix_lengths.shape)}")
+            raise ValueError(
+                f"prefix_lengths must be integers of shape ({B},), one per row; got "
+                f"{prefix_lengths.dtype} of shape {tuple(prefix_lengths.shape)}"
+            )
 
     def _structured(self, document_ids, cache) -> bool:
         """Whether self-attention needs more than padding, causality and a position bias: the
         default path (`_self_bias`, SDPA's fused causal kernel) is untouched otherwise."""
         cfg = self.cfg
-        return (document_ids is not None or cfg.sliding_window is not None or cfg.attention_kind == "linear"
-                or isinstance(cache, RollingKVCache))
+        return (
+            document_ids is not None
+            or cfg.sliding_window is not None
+            or cfg.attention_kind == "linear"
+            or isinstance(cache, RollingKVCache)
+        )
 
     def _structured_bias(self, attention_mask, q_positions, document_ids, cache, dtype):
         """The self-attention mask for the efficient-attention options: a LinearMask, an
@@ -208,8 +234,10 @@ class Stack(nn.Module):
         device = q_positions.device
         if cfg.attention_kind == "linear":
             if document_ids is not None:
-                raise ValueError("document_ids need model.attention_kind='softmax' (linear attention's running "
-                                 "sums cross document boundaries)")
+                raise ValueError(
+                    "document_ids need model.attention_kind='softmax' (linear attention's running "
+                    "sums cross document boundaries)"
+                )
             key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
             return LinearMask(causal=self.causal, key_mask=key_mask)
         past = cache.length if cache is not None else 0
@@ -221,14 +249,22 @@ class Stack(nn.Module):
             key_index, key_mask, k_positions = cache.advance(new_mask, q_positions)  # (S,), (B, S), (B, S)
         elif cache is not None:
             _, _, k_positions = self._self_bias(attention_mask, q_positions, cache, dtype)  # records the mask
-            key_mask = cache.key_mask[:, :past + T]
+            key_mask = cache.key_mask[:, : past + T]
         else:
             key_mask = None if _all_true(attention_mask, cache) else new_mask
             k_positions = q_positions
         n_keys = key_index.numel() if key_index is not None else past + T
         g = 0 if self.causal else cfg.global_tokens
-        mask = interval_mask(q_index, n_keys, causal=self.causal, window=cfg.sliding_window, document_ids=document_ids,
-                             key_mask=key_mask, global_tokens=g, key_index=key_index)
+        mask = interval_mask(
+            q_index,
+            n_keys,
+            causal=self.causal,
+            window=cfg.sliding_window,
+            document_ids=document_ids,
+            key_mask=key_mask,
+            global_tokens=g,
+            key_index=key_index,
+        )
         if self.relative_bias is not None or cfg.position == "alibi":
             if self.relative_bias is not None:
                 position_bias = self.relative_bias(q_positions, k_positions)  # (B, H, T, S)
@@ -246,11 +282,14 @@ class Stack(nn.Module):
         B, T = q_positions.shape
         if cache is not None:
             past = cache.length
-            mask = attention_mask.bool() if attention_mask is not None else torch.ones(B, T, dtype=torch.bool,
-                                                                                        device=q_positions.device)
-            cache.key_mask[:, past:past + T] = mask
-            cache.positions[:, past:past + T] = q_positions
-            key_mask, k_positions = cache.key_mask[:, :past + T], cache.positions[:, :past + T]  # (B, S)
+            mask = (
+                attention_mask.bool()
+                if attention_mask is not None
+                else torch.ones(B, T, dtype=torch.bool, device=q_positions.device)
+            )
+            cache.key_mask[:, past : past + T] = mask
+            cache.positions[:, past : past + T] = q_positions
+            key_mask, k_positions = cache.key_mask[:, : past + T], cache.positions[:, : past + T]  # (B, S)
         else:
             past = 0
             key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
@@ -320,11 +359,14 @@ def _batch_shared(*positions: torch.Tensor) -> bool:
 def _refuse_prefix(arch: str) -> None:
     """Attention modes exist for one stack that is causal by default: a decoder-only model."""
     if arch == "encoder":
-        raise ValueError("prefix_lengths (attention modes) are for decoder-only models: an encoder is already "
-                         "bidirectional")
+        raise ValueError(
+            "prefix_lengths (attention modes) are for decoder-only models: an encoder is already bidirectional"
+        )
     if arch == "encoder_decoder":
-        raise ValueError("prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
-                         "encoder is already bidirectional and its decoder stays causal")
+        raise ValueError(
+            "prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
+            "encoder is already bidirectional and its decoder stays causal"
+        )
 
 
 def _padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -353,21 +395,44 @@ class Transformer(nn.Module):
     def encode(self, input_ids, attention_mask=None, *, token_type_ids=None, position_ids=None, document_ids=None):
         if self.encoder is None:
             raise ValueError(f"a {self.config.arch} model has no encoder")
-        return self.encoder(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                            document_ids=document_ids)
+        return self.encoder(
+            input_ids,
+            attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            document_ids=document_ids,
+        )
 
-    def decode(self, input_ids, attention_mask=None, *, memory=None, memory_mask=None, position_ids=None,
-               token_type_ids=None, cache: KVCache | LinearState | None = None, document_ids=None,
-               prefix_lengths=None):
+    def decode(
+        self,
+        input_ids,
+        attention_mask=None,
+        *,
+        memory=None,
+        memory_mask=None,
+        position_ids=None,
+        token_type_ids=None,
+        cache: KVCache | LinearState | None = None,
+        document_ids=None,
+        prefix_lengths=None,
+    ):
         if self.decoder is None:
             raise ValueError(f"a {self.config.arch} model has no decoder")
         if self.config.arch == "encoder_decoder" and memory is None:
             raise ValueError("an encoder_decoder model's decoder needs the encoder output (memory)")
         if prefix_lengths is not None:
             _refuse_prefix(self.config.arch)
-        return self.decoder(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
-                            memory=memory, memory_mask=memory_mask, cache=cache, document_ids=document_ids,
-                            prefix_lengths=prefix_lengths)
+        return self.decoder(
+            input_ids,
+            attention_mask,
+            position_ids=position_ids,
+            token_type_ids=token_type_ids,
+            memory=memory,
+            memory_mask=memory_mask,
+            cache=cache,
+            document_ids=document_ids,
+            prefix_lengths=prefix_lengths,
+        )
 
     def forward(
         self,
@@ -388,11 +453,22 @@ class Transformer(nn.Module):
         if prefix_lengths is not None:
             _refuse_prefix(arch)
         if arch == "encoder":
-            return self.encode(input_ids, attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-                               document_ids=document_ids)
+            return self.encode(
+                input_ids,
+                attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                document_ids=document_ids,
+            )
         if arch == "decoder":
-            return self.decode(input_ids, attention_mask, position_ids=position_ids, token_type_ids=token_type_ids,
-                               document_ids=document_ids, prefix_lengths=prefix_lengths)
+            return self.decode(
+                input_ids,
+                attention_mask,
+                position_ids=position_ids,
+                token_type_ids=token_type_ids,
+                document_ids=document_ids,
+                prefix_lengths=prefix_lengths,
+            )
         if document_ids is not None:
             raise ValueError("document_ids are for encoder or decoder models (packed LM rows)")
         if decoder_input_ids is None:
@@ -409,8 +485,21 @@ class Transformer(nn.Module):
         if cfg.attention_kind == "linear":
             return LinearState(layers, batch, cfg.n_heads, cfg.dim_per_head, device or weight.device)
         if cfg.sliding_window is not None:
-            return RollingKVCache(layers, batch, cfg.kv_heads, cfg.dim_per_head,
-                                  min(cfg.sliding_window, capacity or cfg.sliding_window),
-                                  dtype or weight.dtype, device or weight.device)
-        return KVCache(cfg.decoder_layers if cfg.arch != "encoder" else 0, batch, cfg.kv_heads, cfg.dim_per_head,
-                       capacity or cfg.max_seq_len, dtype or weight.dtype, device or weight.device)
+            return RollingKVCache(
+                layers,
+                batch,
+                cfg.kv_heads,
+                cfg.dim_per_head,
+                min(cfg.sliding_window, capacity or cfg.sliding_window),
+                dtype or weight.dtype,
+                device or weight.device,
+            )
+        return KVCache(
+            cfg.decoder_layers if cfg.arch != "encoder" else 0,
+            batch,
+            cfg.kv_heads,
+            cfg.dim_per_head,
+            capacity or cfg.max_seq_len,
+            dtype or weight.dtype,
+            device or weight.device,
+        )

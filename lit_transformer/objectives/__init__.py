@@ -1,4 +1,6 @@
-"""Training objectives: one LightningModule per objective on a shared base.
+"""Training objectives: one LightningModule per objective on a shared base; losses, metrics, optimizers.
+
+Imports `model/`, `data/`, `recipe/`, `training/` and `errors`.
 
 Importing this package registers every built-in objective with the registry
 (`registry.implements`); `objective_class(name)` then returns its class.
@@ -6,25 +8,27 @@ Importing this package registers every built-in objective with the registry
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from ..registry import objective_class
-from ..schema import OptimConfig
-from .base import ObjectiveBase
-from .causal_lm import CausalLM
-from .classifier import SequenceClassifier
-from .masked_lm import MaskedLM
-from .multitask import MultiTaskLM
-from .metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
-from .optim import lr_multiplier, make_scheduler, parameter_groups
-from .seq2seq import Seq2SeqLM
+from lit_transformer.objectives.base import ObjectiveBase
+from lit_transformer.objectives.causal_lm import CausalLM
+from lit_transformer.objectives.classifier import SequenceClassifier
+from lit_transformer.objectives.masked_lm import MaskedLM
+from lit_transformer.objectives.metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
+from lit_transformer.objectives.mixture import MultiTaskLM
+from lit_transformer.objectives.optim import lr_multiplier, make_scheduler, parameter_groups
+from lit_transformer.objectives.seq2seq import Seq2SeqLM
+from lit_transformer.recipe.registry import objective_class
+from lit_transformer.recipe.schema import OptimConfig
 
 
 @torch.no_grad()
-def evaluate_batches(module: ObjectiveBase, batches: Iterable[dict[str, Any]],
-                     max_batches: int | None = None) -> dict[str, float]:
+def evaluate_batches(
+    module: ObjectiveBase, batches: Iterable[dict[str, Any]], max_batches: int | None = None
+) -> dict[str, float]:
     """Run an objective's validation metrics over batches without a Trainer (single process).
 
     Returns the same names the objective logs under val/: loss, ppl and bpb (language models,
@@ -47,7 +51,19 @@ def evaluate_batches(module: ObjectiveBase, batches: Iterable[dict[str, Any]],
 
 
 __all__ = [
-    "CausalLM", "IGNORE_INDEX", "MaskedLM", "MultiTaskLM", "ObjectiveBase", "OptimConfig", "Seq2SeqLM", "SequenceClassifier",
-    "bits_per_byte", "evaluate_batches", "lr_multiplier", "make_scheduler", "objective_class", "parameter_groups",
+    "CausalLM",
+    "IGNORE_INDEX",
+    "MaskedLM",
+    "MultiTaskLM",
+    "ObjectiveBase",
+    "OptimConfig",
+    "Seq2SeqLM",
+    "SequenceClassifier",
+    "bits_per_byte",
+    "evaluate_batches",
+    "lr_multiplier",
+    "make_scheduler",
+    "objective_class",
+    "parameter_groups",
     "token_cross_entropy",
 ]

@@ -45,15 +45,15 @@ import lightning as L
 import torch
 from torch import nn
 
-from .. import registry
-from ..checkpointing import MODEL_CONFIG_KEY, OBJECTIVE_KEY
-from ..data.module import TextDataModule
-from ..distributed import prepare_blocks, total_norm
-from ..model.config import TransformerConfig
-from ..model.language_model import LanguageModel
-from ..schema import OptimConfig, RunConfig
-from .metrics import bits_per_byte, peak_flops_for
-from .optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
+from lit_transformer.data.module import TextDataModule
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.metrics import bits_per_byte, peak_flops_for
+from lit_transformer.objectives.optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
+from lit_transformer.recipe import registry
+from lit_transformer.recipe.schema import OptimConfig, RunConfig
+from lit_transformer.training.checkpoints import MODEL_CONFIG_KEY, OBJECTIVE_KEY
+from lit_transformer.training.distributed import prepare_blocks, total_norm
 
 
 def as_model_config(value: TransformerConfig | dict) -> TransformerConfig:
@@ -90,8 +90,13 @@ class ObjectiveOptions(TypedDict, total=False):
     max_time: float | None
 
 
-OPTION_DEFAULTS: dict[str, Any] = {"peak_flops": None, "skip_nonfinite": True, "activation_checkpointing": False,
-                                   "compile": False, "max_time": None}
+OPTION_DEFAULTS: dict[str, Any] = {
+    "peak_flops": None,
+    "skip_nonfinite": True,
+    "activation_checkpointing": False,
+    "compile": False,
+    "max_time": None,
+}
 
 
 def non_pad_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -105,9 +110,16 @@ class ObjectiveBase(L.LightningModule):
     `self.eval_metrics` (an nn.ModuleDict), and implement `training_step` (ending in
     `self.finish_training_step(...)`), `eval_update(batch, batch_idx)` and `eval_compute()`."""
 
-    def __init__(self, *, model_config: TransformerConfig, optim: OptimConfig | dict | None, max_steps: int | None,
-                 hparams: dict[str, Any] | None = None, bytes_per_token: float | None = None,
-                 **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        *,
+        model_config: TransformerConfig,
+        optim: OptimConfig | dict | None,
+        max_steps: int | None,
+        hparams: dict[str, Any] | None = None,
+        bytes_per_token: float | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`hparams`: the subclass's own constructor arguments, saved (with optim, max_steps
         and the options) so that `load_from_checkpoint` can rebuild the module. `options`: see
         ObjectiveOptions; activation checkpointing and compile are applied in
@@ -152,8 +164,13 @@ class ObjectiveBase(L.LightningModule):
     @staticmethod
     def recipe_options(cfg: RunConfig) -> dict[str, Any]:
         """The constructor arguments every objective takes from a recipe."""
-        return dict(optim=cfg.optim, max_steps=cfg.trainer.max_steps, compile=cfg.trainer.compile,
-                    activation_checkpointing=cfg.trainer.activation_checkpointing, max_time=cfg.trainer.max_time)
+        return dict(
+            optim=cfg.optim,
+            max_steps=cfg.trainer.max_steps,
+            compile=cfg.trainer.compile,
+            activation_checkpointing=cfg.trainer.activation_checkpointing,
+            max_time=cfg.trainer.max_time,
+        )
 
     @classmethod
     def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
@@ -166,9 +183,14 @@ class ObjectiveBase(L.LightningModule):
     def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
         """The (not yet prepared) data module a recipe's objective reads: its data kind's
         TextDataModule; a mixture's reads one per task."""
-        return TextDataModule(dataclasses.replace(cfg.data, num_workers=workers), cfg.tokenizer,
-                              registry.spec(cfg.objective.name).data, seed=cfg.trainer.seed, run_dir=run_dir,
-                              model_vocab_size=model_vocab_size)
+        return TextDataModule(
+            dataclasses.replace(cfg.data, num_workers=workers),
+            cfg.tokenizer,
+            registry.spec(cfg.objective.name).data,
+            seed=cfg.trainer.seed,
+            run_dir=run_dir,
+            model_vocab_size=model_vocab_size,
+        )
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], **overrides: Any):
@@ -184,8 +206,14 @@ class ObjectiveBase(L.LightningModule):
         return None
 
     @classmethod
-    def from_final(cls, name: str, cfg: RunConfig, lm: LanguageModel, data: Any,
-                   head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None):
+    def from_final(
+        cls,
+        name: str,
+        cfg: RunConfig,
+        lm: LanguageModel,
+        data: Any,
+        head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None,
+    ):
         """The module around a finished run's saved model (and head), for evaluation."""
         return cls.from_recipe(name, cfg, lm, data)
 
@@ -224,11 +252,18 @@ class ObjectiveBase(L.LightningModule):
 
         return not isinstance(self.model.lm_head.decoder.weight, DTensor)
 
-    def finish_training_step(self, loss: torch.Tensor, nll_mean: torch.Tensor | None,
-                             batch: dict[str, torch.Tensor], *, flop_tokens: torch.Tensor | float,
-                             head_positions: torch.Tensor | float,
-                             metrics: dict[str, torch.Tensor] | None = None, task: str | None = None,
-                             task_bytes_per_token: float | None = None) -> torch.Tensor | None:
+    def finish_training_step(
+        self,
+        loss: torch.Tensor,
+        nll_mean: torch.Tensor | None,
+        batch: dict[str, torch.Tensor],
+        *,
+        flop_tokens: torch.Tensor | float,
+        head_positions: torch.Tensor | float,
+        metrics: dict[str, torch.Tensor] | None = None,
+        task: str | None = None,
+        task_bytes_per_token: float | None = None,
+    ) -> torch.Tensor | None:
         """The shared end of training_step: guard, log, count throughput; returns the loss or None.
 
         nll_mean: the plain per-token NLL behind train/ppl (None where perplexity means nothing).
@@ -268,7 +303,7 @@ class ObjectiveBase(L.LightningModule):
                 self.log(f"{prefix}ppl", logged[1].exp())
                 if task_bytes_per_token is not None:
                     self.log(f"{prefix}bpb", bits_per_byte(float(logged[1]), task_bytes_per_token))
-        for name, value in zip(metrics, logged[len(logged) - len(metrics):]):
+        for name, value in zip(metrics, logged[len(logged) - len(metrics) :]):
             self.log(f"{prefix}{name}", value)
         self._count_work(batch, flop_tokens, head_positions)
         return loss
@@ -366,22 +401,28 @@ class ObjectiveBase(L.LightningModule):
         return not (mixed and self.trainer.gradient_clip_val)
 
     def configure_optimizers(self):
-        groups = parameter_groups(self, self.optim.weight_decay, lr_scales=self.lr_scales(),
-                                  muon=self.optim.optimizer == "muon")
+        groups = parameter_groups(
+            self, self.optim.weight_decay, lr_scales=self.lr_scales(), muon=self.optim.optimizer == "muon"
+        )
         optimizer = build_optimizer(groups, self.optim, allow_fused=self._fused_allowed())
         max_steps = self.max_steps
         if (max_steps is None or max_steps <= 0) and self._trainer is not None:
             estimated = self.trainer.estimated_stepping_batches
             max_steps = int(estimated) if math.isfinite(estimated) else None
-        scheduler = make_scheduler(optimizer, self.optim, max_steps, self.model_config.d_model,
-                                   max_time=self.max_time, clock=self.train_clock)
+        scheduler = make_scheduler(
+            optimizer, self.optim, max_steps, self.model_config.d_model, max_time=self.max_time, clock=self.train_clock
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
         """Activation checkpointing and compile per Block, then FSDP2 sharding under Lightning's
         ModelParallelStrategy (distributed.prepare_blocks); calling it again changes nothing."""
-        prepare_blocks(self, activation_checkpointing=self.activation_checkpointing, compile=self.compile_blocks,
-                       mesh=self.device_mesh)
+        prepare_blocks(
+            self,
+            activation_checkpointing=self.activation_checkpointing,
+            compile=self.compile_blocks,
+            mesh=self.device_mesh,
+        )
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps
@@ -394,8 +435,9 @@ class ObjectiveBase(L.LightningModule):
         self.train_clock.reset(float(checkpoint.get("train_seconds", 0.0)))
 
     # ------------------------------------------------------------------ throughput internals
-    def _count_work(self, batch: dict[str, torch.Tensor], flop_tokens: torch.Tensor | float,
-                    head_positions: torch.Tensor | float) -> None:
+    def _count_work(
+        self, batch: dict[str, torch.Tensor], flop_tokens: torch.Tensor | float, head_positions: torch.Tensor | float
+    ) -> None:
         body, head = self._flops_per_token(batch)
         tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
         if "decoder_input_ids" in batch:
@@ -413,7 +455,7 @@ class ObjectiveBase(L.LightningModule):
         T_dec = batch["decoder_input_ids"].shape[1] if "decoder_input_ids" in batch else None
         key = (T, T_dec)
         if key not in self._flops_cache:
-            from ..model.accounting import train_flops
+            from lit_transformer.model.accounting import train_flops
 
             cfg = self.flops_config()
             flops = train_flops(cfg, T, T_dec if cfg.arch == "encoder_decoder" else None)

@@ -10,24 +10,36 @@ from typing import Unpack
 
 import torch
 
-from ..model.config import TransformerConfig
-from ..model.language_model import LanguageModel
-from ..registry import implements
-from ..schema import OptimConfig
-from .base import ObjectiveBase, ObjectiveOptions, as_language_model
-from .fused_loss import linear_cross_entropy
-from .metrics import TokenAverage, token_cross_entropy
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.fused_loss import linear_cross_entropy
+from lit_transformer.objectives.metrics import TokenAverage, token_cross_entropy
+from lit_transformer.recipe.registry import implements
+from lit_transformer.recipe.schema import OptimConfig
 
 
 @implements("clm")
 class CausalLM(ObjectiveBase):
-    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
-                 max_steps: int | None = None, *, bytes_per_token: float | None = None,
-                 **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        bytes_per_token: float | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`model`: a config to build and initialise, or a LanguageModel to train further."""
         lm = as_language_model(model)
-        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token}, **options)
+        super().__init__(
+            model_config=lm.config,
+            optim=optim,
+            max_steps=max_steps,
+            bytes_per_token=bytes_per_token,
+            hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token},
+            **options,
+        )
         self.model = lm
         self.eval_metrics["loss"] = TokenAverage()
 
@@ -49,12 +61,13 @@ class CausalLM(ObjectiveBase):
     def eval_compute(self) -> dict[str, float]:
         return self.lm_eval_metrics(self.eval_metrics["loss"].compute())
 
-    def sample(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
+    def sample(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32, **kwargs
+    ) -> torch.Tensor:
         """Continue prompts with `lit_transformer.model.generate.generate` (greedy by default;
         do_sample, temperature, top_k, top_p, num_beams, eos_token_id, ... pass through).
         Returns (B, T + G): the left-padded prompts, then the new tokens."""
-        from ..model.generate import generate
+        from lit_transformer.model.generate import generate
 
         return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
 
@@ -62,23 +75,32 @@ class CausalLM(ObjectiveBase):
         return causal_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
-def causal_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool,
-                 z_loss: float = 0.0):
+def causal_terms(
+    model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool, z_loss: float = 0.0
+):
     """(loss sum, NLL sum, target count) of next-token prediction over the labels the collator
     shifted; the head and the loss run fused when `fused` (training with a plain head weight).
     The loss sum holds the label smoothing and the z-loss (metrics.token_cross_entropy).
     Also serves the prefix LM of a mixture, whose batch carries prefix_lengths."""
     labels = batch["labels"]
     if labels.shape != batch["input_ids"].shape:
-        raise ValueError(f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
-                         "(the collator shifts them)")
+        raise ValueError(
+            f"clm labels {tuple(labels.shape)} must match input_ids {tuple(batch['input_ids'].shape)} "
+            "(the collator shifts them)"
+        )
     extra = _row_inputs(batch)
     if fused:
         features = model.head_features(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, C)
         decoder = model.lm_head.decoder
-        loss_sum, nll_sum, count, _ = linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias,
-                                                           labels.reshape(-1), label_smoothing, z_loss=z_loss,
-                                                           count_correct=False)
+        loss_sum, nll_sum, count, _ = linear_cross_entropy(
+            features.flatten(0, 1),
+            decoder.weight,
+            decoder.bias,
+            labels.reshape(-1),
+            label_smoothing,
+            z_loss=z_loss,
+            count_correct=False,
+        )
         return loss_sum, nll_sum, count
     logits = model(batch["input_ids"], batch.get("attention_mask"), **extra)  # (B, T, V)
     V = logits.shape[-1]

@@ -17,20 +17,23 @@ from typing import Any, Literal, Unpack
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import (
-    MulticlassAccuracy, MulticlassF1Score, MultilabelAccuracy, MultilabelF1Score,
+    MulticlassAccuracy,
+    MulticlassF1Score,
+    MultilabelAccuracy,
+    MultilabelF1Score,
 )
 from torchmetrics.regression import MeanSquaredError, PearsonCorrCoef
 
-from ..errors import RunError
-from ..model.config import TransformerConfig
-from ..model.heads import ClassificationHead
-from ..model.init import init_weights
-from ..model.language_model import LanguageModel
-from ..model.transformer import Transformer
-from ..registry import implements
-from ..schema import OptimConfig, RunConfig
-from .base import ObjectiveBase, ObjectiveOptions, as_model_config
-from .metrics import TokenAverage
+from lit_transformer.errors import RunError
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.heads import ClassificationHead
+from lit_transformer.model.init import init_weights
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.model.transformer import Transformer
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_model_config
+from lit_transformer.objectives.metrics import TokenAverage
+from lit_transformer.recipe.registry import implements
+from lit_transformer.recipe.schema import OptimConfig, RunConfig
 
 Problem = Literal["single_label", "multi_label", "regression"]
 Pooling = Literal["first", "mean", "last"]
@@ -40,11 +43,21 @@ DEFAULT_POOLING = {"encoder": "first", "decoder": "last", "encoder_decoder": "me
 
 @implements("classify")
 class SequenceClassifier(ObjectiveBase):
-    def __init__(self, model_config: TransformerConfig | dict | Transformer, num_labels: int,
-                 problem: Problem = "single_label", pooling: Pooling | None = None,
-                 optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
-                 hidden_layer: bool = True, classifier_dropout: float = 0.1, backbone_lr_ratio: float = 1.0,
-                 attention: Attention = "causal", **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        model_config: TransformerConfig | dict | Transformer,
+        num_labels: int,
+        problem: Problem = "single_label",
+        pooling: Pooling | None = None,
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        hidden_layer: bool = True,
+        classifier_dropout: float = 0.1,
+        backbone_lr_ratio: float = 1.0,
+        attention: Attention = "causal",
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`model_config`: a config for a freshly initialised backbone, or a Transformer whose
         weights to fine-tune (see `from_backbone`). `pooling` defaults by architecture:
         first ([CLS]) for encoders, last for decoders, mean for an encoder-decoder's encoder.
@@ -71,15 +84,23 @@ class SequenceClassifier(ObjectiveBase):
             raise ValueError(f"attention={attention!r} is not one of ['causal', 'bidirectional']")
         if pooling not in ("first", "mean", "last"):
             raise ValueError(f"pooling={pooling!r} is not one of ['first', 'mean', 'last']")
-        hparams = {"model_config": cfg.to_dict(), "num_labels": num_labels, "problem": problem, "pooling": pooling,
-                   "hidden_layer": hidden_layer, "classifier_dropout": classifier_dropout,
-                   "backbone_lr_ratio": backbone_lr_ratio, "attention": attention}
+        hparams = {
+            "model_config": cfg.to_dict(),
+            "num_labels": num_labels,
+            "problem": problem,
+            "pooling": pooling,
+            "hidden_layer": hidden_layer,
+            "classifier_dropout": classifier_dropout,
+            "backbone_lr_ratio": backbone_lr_ratio,
+            "attention": attention,
+        }
         super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, hparams=hparams, **options)
         if cfg.arch == "encoder_decoder":
             backbone.decoder = None  # only the encoder is read: no dead parameters for DDP or AdamW
         self.backbone = backbone
-        self.head = ClassificationHead(cfg.d_model, num_labels, pooling=pooling, hidden_layer=hidden_layer,
-                                       dropout=classifier_dropout)
+        self.head = ClassificationHead(
+            cfg.d_model, num_labels, pooling=pooling, hidden_layer=hidden_layer, dropout=classifier_dropout
+        )
         init_weights(self.head, cfg)
         self.problem, self.num_labels, self.backbone_lr_ratio = problem, num_labels, backbone_lr_ratio
         self.bidirectional_decoder = attention == "bidirectional" and cfg.arch == "decoder"
@@ -96,8 +117,9 @@ class SequenceClassifier(ObjectiveBase):
             self.eval_metrics["pearson"] = PearsonCorrCoef()
 
     @classmethod
-    def from_backbone(cls, transformer: Transformer, num_labels: int, problem: Problem = "single_label",
-                      **kwargs) -> "SequenceClassifier":
+    def from_backbone(
+        cls, transformer: Transformer, num_labels: int, problem: Problem = "single_label", **kwargs
+    ) -> SequenceClassifier:
         """Fine-tune a pretrained core: `LanguageModel.transformer` from a run directory,
         checkpoint or `load_pretrained(...)`. The module is used (not copied); an
         encoder-decoder's decoder is dropped from it."""
@@ -110,9 +132,16 @@ class SequenceClassifier(ObjectiveBase):
         if data.num_labels is None or (cfg.data.task == "single_label" and data.num_labels < 2):
             raise RunError(f"classification needs at least two labels; the training data has {data.label_names}")
         backbone = model.transformer if isinstance(model, LanguageModel) else model
-        return cls(backbone, data.num_labels, cfg.data.task, pooling=cfg.finetune.pooling,
-                   classifier_dropout=cfg.finetune.head_dropout, backbone_lr_ratio=cfg.finetune.backbone_lr_ratio,
-                   attention=cfg.finetune.attention or "causal", **cls.recipe_options(cfg))
+        return cls(
+            backbone,
+            data.num_labels,
+            cfg.data.task,
+            pooling=cfg.finetune.pooling,
+            classifier_dropout=cfg.finetune.head_dropout,
+            backbone_lr_ratio=cfg.finetune.backbone_lr_ratio,
+            attention=cfg.finetune.attention or "causal",
+            **cls.recipe_options(cfg),
+        )
 
     def final_model(self) -> LanguageModel:
         """The backbone as a LanguageModel (an encoder-decoder's encoder as an encoder), so that
@@ -126,19 +155,34 @@ class SequenceClassifier(ObjectiveBase):
         return lm
 
     def final_head(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        spec = {key: self.hparams[key] for key in ("num_labels", "problem", "pooling", "hidden_layer",
-                                                    "classifier_dropout", "attention")}
+        spec = {
+            key: self.hparams[key]
+            for key in ("num_labels", "problem", "pooling", "hidden_layer", "classifier_dropout", "attention")
+        }
         return spec, {k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
 
     @classmethod
-    def from_final(cls, name: str, cfg: RunConfig, lm: LanguageModel, data: Any,
-                   head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None):
+    def from_final(
+        cls,
+        name: str,
+        cfg: RunConfig,
+        lm: LanguageModel,
+        data: Any,
+        head: tuple[dict[str, Any], dict[str, torch.Tensor]] | None,
+    ):
         if head is None:
             raise RunError("a classification model needs its head; the model directory holds none")
         spec, weights = head
-        module = cls.from_backbone(lm.transformer, spec["num_labels"], spec["problem"], pooling=spec["pooling"],
-                                   hidden_layer=spec["hidden_layer"], classifier_dropout=spec["classifier_dropout"],
-                                   attention=spec.get("attention", "causal"), optim=cfg.optim)
+        module = cls.from_backbone(
+            lm.transformer,
+            spec["num_labels"],
+            spec["problem"],
+            pooling=spec["pooling"],
+            hidden_layer=spec["hidden_layer"],
+            classifier_dropout=spec["classifier_dropout"],
+            attention=spec.get("attention", "causal"),
+            optim=cfg.optim,
+        )
         module.head.load_state_dict(weights)
         return module
 
@@ -162,8 +206,12 @@ class SequenceClassifier(ObjectiveBase):
                 batch["labels"] = out
             yield batch
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits (B, N); for regression the predictions (B,)."""
         if self.model_config.arch == "encoder_decoder":
             hidden = self.backbone.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
@@ -184,8 +232,7 @@ class SequenceClassifier(ObjectiveBase):
             metrics["accuracy"] = (outputs.detach().argmax(-1) == batch["labels"]).float().mean()
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
-        return self.finish_training_step(loss, None, batch, flop_tokens=tokens, head_positions=0.0,
-                                         metrics=metrics)
+        return self.finish_training_step(loss, None, batch, flop_tokens=tokens, head_positions=0.0, metrics=metrics)
 
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Class probabilities (B, N), per-label probabilities (B, N), or values (B,)."""

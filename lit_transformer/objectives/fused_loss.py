@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .metrics import IGNORE_INDEX
+from lit_transformer.objectives.metrics import IGNORE_INDEX
 
 CHUNK_ROWS = 2048  # (R, V) logits in the compute dtype: 200 MB in bf16 at V = 50,257; few chunks keep matmuls large
 # The float32 work on the logits (log-softmax, exp, mask) runs on pieces of at most this many
@@ -39,8 +39,18 @@ PIECE_BYTES = 8 << 20
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features, weight, bias, labels, label_smoothing: float, z_loss: float, chunk_rows: int,
-                compute_dtype, count_correct: bool):
+    def forward(
+        ctx,
+        features,
+        weight,
+        bias,
+        labels,
+        label_smoothing: float,
+        z_loss: float,
+        chunk_rows: int,
+        compute_dtype,
+        count_correct: bool,
+    ):
         x = features.to(compute_dtype)  # (N, C)
         w = weight.to(compute_dtype)  # (V, C)
         b = bias.to(compute_dtype) if bias is not None else None
@@ -115,6 +125,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_nll, _grad_correct):
         grad_x, grad_w, grad_b = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+
         # scaled in float32: a loss scale of 2**16 (fp16 AMP's first) is not representable in
         # float16; one new tensor each (the stored gradients stay as they are)
         def scaled(grad, dtype):
@@ -123,10 +134,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return scaled(grad_x, x_dtype), scaled(grad_w, w_dtype), scaled(grad_b, b_dtype), *([None] * 6)
 
 
-def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         labels: torch.Tensor, label_smoothing: float = 0.0, *, z_loss: float = 0.0,
-                         chunk_rows: int = CHUNK_ROWS, count_correct: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    features: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    label_smoothing: float = 0.0,
+    *,
+    z_loss: float = 0.0,
+    chunk_rows: int = CHUNK_ROWS,
+    count_correct: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """features (N, C), weight (V, C), bias (V,) or None, labels (N,) with IGNORE_INDEX skipped
     -> (loss_sum, nll_sum, count, correct), the same values as `token_cross_entropy` (with the
     same label smoothing and z-loss) on
@@ -136,6 +154,7 @@ def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, bias: tor
     device = features.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
     with torch.autocast(device, enabled=False):
-        loss, nll, correct = _LinearCrossEntropy.apply(features, weight, bias, labels, label_smoothing, z_loss,
-                                                       chunk_rows, dtype, count_correct)
+        loss, nll, correct = _LinearCrossEntropy.apply(
+            features, weight, bias, labels, label_smoothing, z_loss, chunk_rows, dtype, count_correct
+        )
     return loss, nll, (labels != IGNORE_INDEX).sum(), correct

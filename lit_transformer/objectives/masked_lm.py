@@ -13,29 +13,45 @@ from typing import Unpack
 
 import torch
 
-from ..model.config import TransformerConfig
-from ..model.language_model import LanguageModel
-from ..registry import implements
-from ..schema import OptimConfig
-from .base import ObjectiveBase, ObjectiveOptions, as_language_model
-from .metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
+from lit_transformer.recipe.registry import implements
+from lit_transformer.recipe.schema import OptimConfig
 
 
 @implements("mlm")
 class MaskedLM(ObjectiveBase):
-    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
-                 max_steps: int | None = None, *, bytes_per_token: float | None = None,
-                 **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        bytes_per_token: float | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`model`: a config to build and initialise, or a LanguageModel to train further."""
         lm = as_language_model(model)
-        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token}, **options)
+        super().__init__(
+            model_config=lm.config,
+            optim=optim,
+            max_steps=max_steps,
+            bytes_per_token=bytes_per_token,
+            hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token},
+            **options,
+        )
         self.model = lm
         self.eval_metrics["loss"] = TokenAverage()
         self.eval_metrics["masked_accuracy"] = TokenAverage()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits at every position (B, T, V), e.g. for fill-mask."""
         return self.model(input_ids, attention_mask, token_type_ids=token_type_ids)
 
@@ -43,7 +59,11 @@ class MaskedLM(ObjectiveBase):
         loss_sum, nll_sum, count, correct = self._masked_terms(batch, self.optim.label_smoothing, self.optim.z_loss)
         n = self.token_normalizer(count)
         return self.finish_training_step(
-            loss_sum / n, nll_sum / n, batch, flop_tokens=self._tokens(batch), head_positions=count,
+            loss_sum / n,
+            nll_sum / n,
+            batch,
+            flop_tokens=self._tokens(batch),
+            head_positions=count,
             metrics={"masked_accuracy": correct / n},
         )
 
@@ -76,15 +96,19 @@ def masked_logits(model: LanguageModel, batch: dict[str, torch.Tensor]) -> tuple
     labels = batch["labels"]
     predicted = labels != IGNORE_INDEX  # (B, T)
     rows = {"prefix_lengths": batch["prefix_lengths"]} if "prefix_lengths" in batch else {}
-    logits = model.logits_at(batch["input_ids"], batch.get("attention_mask"), predicted,
-                             token_type_ids=batch.get("token_type_ids"),
-                             position_ids=batch.get("position_ids"),  # with data.document_mask
-                             document_ids=batch.get("document_ids"), **rows)  # (N, V)
+    logits = model.logits_at(
+        batch["input_ids"],
+        batch.get("attention_mask"),
+        predicted,
+        token_type_ids=batch.get("token_type_ids"),
+        position_ids=batch.get("position_ids"),  # with data.document_mask
+        document_ids=batch.get("document_ids"),
+        **rows,
+    )  # (N, V)
     return logits, labels[predicted]
 
 
-def masked_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *,
-                 z_loss: float = 0.0):
+def masked_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, z_loss: float = 0.0):
     """(loss sum, NLL sum, masked count, correct predictions) over the masked positions; the
     loss sum holds the label smoothing and the z-loss (metrics.token_cross_entropy)."""
     logits, targets = masked_logits(model, batch)  # (N, V), (N,)

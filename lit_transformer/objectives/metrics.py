@@ -16,8 +16,9 @@ from torchmetrics import Metric
 IGNORE_INDEX = -100  # the collators' "not predicted" label (PyTorch's cross_entropy default)
 
 
-def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
-                        z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0, z_loss: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits (N, V), labels (N,) with IGNORE_INDEX skipped -> (loss_sum, nll_sum, count).
 
     `loss_sum` is what training minimises: with smoothing eps, (1 - eps) * nll + eps * the
@@ -100,8 +101,12 @@ class CorpusBLEU(Metric):
         if self.lengths[1] == 0:
             return torch.tensor(float("nan"), dtype=torch.float64)
         score = BLEU.compute_bleu(
-            [int(c) for c in self.correct.tolist()], [int(t) for t in self.total.tolist()],
-            int(self.lengths[0]), int(self.lengths[1]), smooth_method="exp", max_ngram_order=self.order,
+            [int(c) for c in self.correct.tolist()],
+            [int(t) for t in self.total.tolist()],
+            int(self.lengths[0]),
+            int(self.lengths[1]),
+            smooth_method="exp",
+            max_ngram_order=self.order,
         )
         return torch.tensor(score.score, dtype=torch.float64)
 

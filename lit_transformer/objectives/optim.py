@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model.transformer import Block
-from ..schema import OptimConfig
+from lit_transformer.model.transformer import Block
+from lit_transformer.recipe.schema import OptimConfig
 
 
 class TrainingClock:
@@ -69,8 +69,15 @@ def _decay(progress: float, optim: OptimConfig) -> float:
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_multiplier(step: int, optim: OptimConfig, max_steps: int | None = None, d_model: int | None = None, *,
-                  elapsed: float | None = None, max_time: float | None = None) -> float:
+def lr_multiplier(
+    step: int,
+    optim: OptimConfig,
+    max_steps: int | None = None,
+    d_model: int | None = None,
+    *,
+    elapsed: float | None = None,
+    max_time: float | None = None,
+) -> float:
     """The factor on `optim.lr` for optimizer step `step` (0-based); with `max_time`, the linear
     and cosine decays follow `elapsed` seconds of training out of `max_time` instead of the step."""
     s = step + 1
@@ -80,8 +87,8 @@ def lr_multiplier(step: int, optim: OptimConfig, max_steps: int | None = None, d
         # meet at s = warmup, the peak. `lr` multiplies it (1.0 reproduces the paper).
         if d_model is None:
             raise ValueError("the inverse_sqrt schedule needs d_model")
-        ramp = s * warmup ** -1.5 if warmup > 0 else math.inf
-        return d_model ** -0.5 * min(s ** -0.5, ramp)
+        ramp = s * warmup**-1.5 if warmup > 0 else math.inf
+        return d_model**-0.5 * min(s**-0.5, ramp)
     if max_time is not None and optim.schedule != "constant":
         if elapsed is None:
             raise ValueError("a schedule with max_time needs the elapsed training time")
@@ -100,9 +107,15 @@ def lr_multiplier(step: int, optim: OptimConfig, max_steps: int | None = None, d
     return _decay(progress, optim)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_steps: int | None = None,
-                   d_model: int | None = None, *, max_time: float | None = None,
-                   clock: TrainingClock | None = None) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(
+    optimizer: torch.optim.Optimizer,
+    optim: OptimConfig,
+    max_steps: int | None = None,
+    d_model: int | None = None,
+    *,
+    max_time: float | None = None,
+    clock: TrainingClock | None = None,
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over every parameter group (groups keep their own base lr, e.g. a lower
     backbone lr, or Muon's), to be stepped every optimizer step. With `max_time` the lambda
     reads `clock.elapsed` (seconds of training) when it is stepped. The lambdas are closures,
@@ -118,17 +131,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_ste
     if optim.schedule == "inverse_sqrt" and d_model is None:
         raise ValueError("the inverse_sqrt schedule needs d_model")
     if max_time is None:
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_multiplier(step, optim, max_steps, d_model)
-        )
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, optim, max_steps, d_model))
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, optim, max_steps, d_model, elapsed=clock.elapsed,
-                                              max_time=max_time)
+        optimizer, lambda step: lr_multiplier(step, optim, max_steps, d_model, elapsed=clock.elapsed, max_time=max_time)
     )
 
 
-def parameter_groups(module: nn.Module, weight_decay: float, *, lr_scales: dict[str, float] | None = None,
-                     muon: bool = False) -> list[dict[str, Any]]:
+def parameter_groups(
+    module: nn.Module, weight_decay: float, *, lr_scales: dict[str, float] | None = None, muon: bool = False
+) -> list[dict[str, Any]]:
     """AdamW groups: decay only the >=2-D weights of Linear layers (Loshchilov & Hutter 2019
     decouple decay; GPT-2/BERT practice exempts biases, norm gains and embeddings, whose
     scale is meaningful). A weight tied between an Embedding and a Linear (the LM head) is an
@@ -151,8 +162,9 @@ def parameter_groups(module: nn.Module, weight_decay: float, *, lr_scales: dict[
         elif isinstance(sub, nn.Embedding):
             embeddings.add(id(sub.weight))
         if muon and isinstance(sub, Block):
-            block_matrices.update(id(m.weight) for m in sub.modules()
-                                  if isinstance(m, nn.Linear) and m.weight.dim() == 2)
+            block_matrices.update(
+                id(m.weight) for m in sub.modules() if isinstance(m, nn.Linear) and m.weight.dim() == 2
+            )
     lr_scales = lr_scales or {}
     groups: dict[tuple[bool, bool, float], dict[str, Any]] = {}
     for name, param in module.named_parameters():  # deduplicates tied parameters
@@ -161,17 +173,24 @@ def parameter_groups(module: nn.Module, weight_decay: float, *, lr_scales: dict[
         in_muon = id(param) in block_matrices and id(param) not in embeddings
         decay = id(param) in linear_weights and id(param) not in embeddings and not in_muon
         scale = next((f for prefix, f in lr_scales.items() if name.startswith(prefix)), 1.0)
-        group = groups.setdefault((in_muon, decay, scale), {
-            "params": [], "names": [], "weight_decay": weight_decay if decay else 0.0, "lr_scale": scale,
-            **({"muon": True} if in_muon else {}),
-        })
+        group = groups.setdefault(
+            (in_muon, decay, scale),
+            {
+                "params": [],
+                "names": [],
+                "weight_decay": weight_decay if decay else 0.0,
+                "lr_scale": scale,
+                **({"muon": True} if in_muon else {}),
+            },
+        )
         group["params"].append(param)
         group["names"].append(name)
     return [groups[key] for key in sorted(groups, key=lambda k: (k[0], not k[1], -k[2]))]
 
 
-def build_optimizer(groups: list[dict[str, Any]], optim: OptimConfig, *,
-                    allow_fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(
+    groups: list[dict[str, Any]], optim: OptimConfig, *, allow_fused: bool = True
+) -> torch.optim.Optimizer:
     """AdamW; the fused kernel when every parameter lives on a GPU (one launch for the whole
     update instead of one per tensor group), or on the CPU as plain tensors, where it gives the
     same update several times faster (benchmarks/run.py measures the step). FSDP2's sharded CPU
@@ -182,14 +201,19 @@ def build_optimizer(groups: list[dict[str, Any]], optim: OptimConfig, *,
     muon_groups = [g for g in groups if g.get("muon")] if optim.optimizer == "muon" else []
     adamw_groups = [g for g in groups if not any(g is m for m in muon_groups)]
     params = [p for g in adamw_groups for p in g["params"]]
-    fused = allow_fused and bool(params) and (
-        all(p.device.type == "cuda" for p in params)
-        or all(p.device.type == "cpu" and not isinstance(p, DTensor) for p in params)
+    fused = (
+        allow_fused
+        and bool(params)
+        and (
+            all(p.device.type == "cuda" for p in params)
+            or all(p.device.type == "cpu" and not isinstance(p, DTensor) for p in params)
+        )
     )
     for group in adamw_groups:
         group["lr"] = optim.lr * group.get("lr_scale", 1.0)
-    adamw = torch.optim.AdamW(adamw_groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                              fused=fused or None)
+    adamw = torch.optim.AdamW(
+        adamw_groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused or None
+    )
     if not muon_groups:
         return adamw
     if any(isinstance(p, DTensor) for g in muon_groups for p in g["params"]):

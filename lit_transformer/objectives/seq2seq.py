@@ -13,33 +13,45 @@ Shape legend: B batch, S source length, T target length, G generated length, V v
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Literal, Unpack
+from collections.abc import Callable
+from typing import Any, Literal, Unpack
 
 import torch
 
-from ..distributed import gathered_parameters
-from ..model.config import TransformerConfig
-from ..model.language_model import LanguageModel
-from ..registry import implements
-from ..schema import OptimConfig, RunConfig
-from .base import ObjectiveBase, ObjectiveOptions, as_language_model
-from .fused_loss import linear_cross_entropy
-from .metrics import CorpusBLEU, IGNORE_INDEX, TokenAverage, token_cross_entropy
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.fused_loss import linear_cross_entropy
+from lit_transformer.objectives.metrics import IGNORE_INDEX, CorpusBLEU, TokenAverage, token_cross_entropy
+from lit_transformer.recipe.registry import implements
+from lit_transformer.recipe.schema import OptimConfig, RunConfig
+from lit_transformer.training.distributed import gathered_parameters
 
 Task = Literal["span", "seq2seq"]
 
 
 @implements("span", "seq2seq")
 class Seq2SeqLM(ObjectiveBase):
-    def __init__(self, model: TransformerConfig | LanguageModel | dict, optim: OptimConfig | dict | None = None,
-                 max_steps: int | None = None, *, task: Task = "seq2seq", bytes_per_token: float | None = None,
-                 bleu: bool = False, detokenize: Callable[[list[int]], str] | None = None,
-                 bleu_max_batches: int | None = 4, bleu_max_sentences: int | None = None,
-                 generate_kwargs: dict[str, Any] | None = None, **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        task: Task = "seq2seq",
+        bytes_per_token: float | None = None,
+        bleu: bool = False,
+        detokenize: Callable[[list[int]], str] | None = None,
+        bleu_max_batches: int | None = 4,
+        bleu_max_sentences: int | None = None,
+        generate_kwargs: dict[str, Any] | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`task` only documents the run (hparams); the loss is the same.
         `bleu`: decode the first `bleu_max_sentences` sentences of the first `bleu_max_batches`
-        validation batches (None: no limit) with `generate(**generate_kwargs)` (max_new_tokens, num_beams, eos_token_id, pad_token_id,
-        decoder_start_token_id, ...) and log corpus BLEU of `detokenize(ids)` against the labels.
+        validation batches (None: no limit) with `generate(**generate_kwargs)`
+        (max_new_tokens, num_beams, eos_token_id, pad_token_id, decoder_start_token_id, ...)
+        and log corpus BLEU of `detokenize(ids)` against the labels.
         `detokenize` is a function, so it is not saved in the hyperparameters: pass it again to
         load_from_checkpoint."""
         if task not in ("span", "seq2seq"):
@@ -52,11 +64,23 @@ class Seq2SeqLM(ObjectiveBase):
         lm = as_language_model(model)
         if lm.config.arch != "encoder_decoder":
             raise ValueError(f"Seq2SeqLM needs model.arch='encoder_decoder', not {lm.config.arch!r}")
-        hparams = {"model": lm.config.to_dict(), "task": task, "bytes_per_token": bytes_per_token, "bleu": bleu,
-                   "bleu_max_batches": bleu_max_batches, "bleu_max_sentences": bleu_max_sentences,
-                   "generate_kwargs": dict(generate_kwargs or {})}
-        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, bytes_per_token=bytes_per_token,
-                         hparams=hparams, **options)
+        hparams = {
+            "model": lm.config.to_dict(),
+            "task": task,
+            "bytes_per_token": bytes_per_token,
+            "bleu": bleu,
+            "bleu_max_batches": bleu_max_batches,
+            "bleu_max_sentences": bleu_max_sentences,
+            "generate_kwargs": dict(generate_kwargs or {}),
+        }
+        super().__init__(
+            model_config=lm.config,
+            optim=optim,
+            max_steps=max_steps,
+            bytes_per_token=bytes_per_token,
+            hparams=hparams,
+            **options,
+        )
         self.model = lm
         self.task = task
         self.bleu = bleu
@@ -81,13 +105,28 @@ class Seq2SeqLM(ObjectiveBase):
         bleu: dict[str, Any] = {}
         if name == "seq2seq" and cfg.objective.bleu:
             tokenizer, special = data.tokenizer, data.special_tokens
-            beams = dict(num_beams=cfg.objective.num_beams, length_penalty=cfg.objective.length_penalty,
-                         length_normalization="gnmt") if cfg.objective.num_beams > 1 else {}
-            bleu = dict(bleu=True, detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                        bleu_max_batches=cfg.objective.bleu_batches, bleu_max_sentences=cfg.objective.bleu_sentences,
-                        generate_kwargs=dict(max_new_tokens=cfg.data.max_target_length, eos_token_id=special.eos_id,
-                                             pad_token_id=special.pad_id or 0,
-                                             decoder_start_token_id=special.decoder_start_id, **beams))
+            beams = (
+                dict(
+                    num_beams=cfg.objective.num_beams,
+                    length_penalty=cfg.objective.length_penalty,
+                    length_normalization="gnmt",
+                )
+                if cfg.objective.num_beams > 1
+                else {}
+            )
+            bleu = dict(
+                bleu=True,
+                detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                bleu_max_batches=cfg.objective.bleu_batches,
+                bleu_max_sentences=cfg.objective.bleu_sentences,
+                generate_kwargs=dict(
+                    max_new_tokens=cfg.data.max_target_length,
+                    eos_token_id=special.eos_id,
+                    pad_token_id=special.pad_id or 0,
+                    decoder_start_token_id=special.decoder_start_id,
+                    **beams,
+                ),
+            )
         return cls(model, task=name, bytes_per_token=data.bytes_per_token, **bleu, **cls.recipe_options(cfg))
 
     @classmethod
@@ -95,11 +134,20 @@ class Seq2SeqLM(ObjectiveBase):
         # BLEU needs a detokenize function, which hyperparameters cannot hold: off unless given
         return cls(**{**hparams, "bleu": False, **overrides})
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, decoder_input_ids: torch.Tensor,
-                decoder_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        decoder_input_ids: torch.Tensor,
+        decoder_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Teacher-forced decoder logits (B, T, V)."""
-        return self.model(input_ids, attention_mask, decoder_input_ids=decoder_input_ids,
-                          decoder_attention_mask=decoder_attention_mask)
+        return self.model(
+            input_ids,
+            attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss_sum, nll_sum, count, correct = self._terms(batch, self.optim.label_smoothing, self.optim.z_loss)
@@ -107,7 +155,11 @@ class Seq2SeqLM(ObjectiveBase):
         mask = batch.get("attention_mask")
         source_tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
         return self.finish_training_step(
-            loss_sum / n, nll_sum / n, batch, flop_tokens=source_tokens, head_positions=count,
+            loss_sum / n,
+            nll_sum / n,
+            batch,
+            flop_tokens=source_tokens,
+            head_positions=count,
             metrics={"token_accuracy": correct / n},
         )
 
@@ -134,7 +186,9 @@ class Seq2SeqLM(ObjectiveBase):
             self._bleu_count = 0
         rows = self._bleu_rows(batch_idx, batch["input_ids"].shape[0])
         if rows:
-            hypotheses, references = self.translate({k: v[:rows] if torch.is_tensor(v) else v for k, v in batch.items()})
+            hypotheses, references = self.translate(
+                {k: v[:rows] if torch.is_tensor(v) else v for k, v in batch.items()}
+            )
             self.eval_metrics["bleu"].update(hypotheses, references)
             self._bleu_count += rows
 
@@ -161,35 +215,45 @@ class Seq2SeqLM(ObjectiveBase):
 
     def translate(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """Decode the batch's sources; (hypotheses, references) as detokenized text."""
-        from ..model.generate import generate
+        from lit_transformer.model.generate import generate
 
         out = generate(self.model, batch["input_ids"], batch.get("attention_mask"), **self.generate_kwargs)
         eos = self.generate_kwargs.get("eos_token_id")
         stop = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         hypotheses = [self.detokenize(_until(row, stop)) for row in out[:, 1:].tolist()]  # (B, G): drop the start
-        references = [self.detokenize(_until([t for t in row if t != IGNORE_INDEX], stop))
-                      for row in batch["labels"].tolist()]
+        references = [
+            self.detokenize(_until([t for t in row if t != IGNORE_INDEX], stop)) for row in batch["labels"].tolist()
+        ]
         return hypotheses, references
 
     def _terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
         return seq2seq_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
-def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool,
-                  z_loss: float = 0.0):
+def seq2seq_terms(
+    model: LanguageModel, batch: dict[str, torch.Tensor], label_smoothing: float, *, fused: bool, z_loss: float = 0.0
+):
     """(loss sum, NLL sum, target count, correct predictions) of teacher-forced decoding; the
     head and the loss run fused when `fused` (training with a plain head weight). The loss sum
     holds the label smoothing and the z-loss (metrics.token_cross_entropy)."""
     labels = batch["labels"]  # (B, T)
     if fused:
         features = model.head_features(
-            batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
-            decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, C)
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            decoder_input_ids=batch["decoder_input_ids"],
+            decoder_attention_mask=batch.get("decoder_attention_mask"),
+        )  # (B, T, C)
         decoder = model.lm_head.decoder
-        return linear_cross_entropy(features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1),
-                                    label_smoothing, z_loss=z_loss)
-    logits = model(batch["input_ids"], batch.get("attention_mask"), decoder_input_ids=batch["decoder_input_ids"],
-                   decoder_attention_mask=batch.get("decoder_attention_mask"))  # (B, T, V)
+        return linear_cross_entropy(
+            features.flatten(0, 1), decoder.weight, decoder.bias, labels.reshape(-1), label_smoothing, z_loss=z_loss
+        )
+    logits = model(
+        batch["input_ids"],
+        batch.get("attention_mask"),
+        decoder_input_ids=batch["decoder_input_ids"],
+        decoder_attention_mask=batch.get("decoder_attention_mask"),
+    )  # (B, T, V)
     V = logits.shape[-1]
     flat_logits, flat_labels = logits.reshape(-1, V), labels.reshape(-1)  # (B*T, V), (B*T,)
     loss_sum, nll_sum, count = token_cross_entropy(flat_logits, flat_labels, label_smoothing, z_loss)
@@ -200,11 +264,13 @@ def seq2seq_terms(model: LanguageModel, batch: dict[str, torch.Tensor], label_sm
 def _check_generate_kwargs(kwargs: dict[str, Any]) -> None:
     import inspect
 
-    from ..model.config import ConfigError, closest
-    from ..model.generate import generate
+    from lit_transformer.errors import closest
+    from lit_transformer.model.config import ConfigError
+    from lit_transformer.model.generate import generate
 
-    valid = [name for name in inspect.signature(generate).parameters if name not in ("model", "input_ids",
-                                                                                      "attention_mask")]
+    valid = [
+        name for name in inspect.signature(generate).parameters if name not in ("model", "input_ids", "attention_mask")
+    ]
     for key in kwargs:
         if key not in valid:
             raise ConfigError(f"unknown generate_kwargs key {key!r}{closest(key, valid)}")

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import longest_input
-from .errors import RecipeError
-from .model.config import TransformerConfig
-from .schema import RunConfig
+from lit_transformer.errors import RecipeError
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.recipe.load import longest_input
+from lit_transformer.recipe.schema import RunConfig
 
 GB = 1e9
 # Resident memory of one training process before the model: Python, torch, Lightning, datasets,
@@ -64,14 +64,18 @@ def check_devices(cfg: RunConfig) -> None:
     """One line naming the keys to change when the recipe asks for devices that are not here."""
     t, gpus = cfg.trainer, gpu_count()
     if t.accelerator in ("gpu", "cuda") and gpus == 0:
-        raise RecipeError(f"trainer.accelerator={t.accelerator} but this machine has no CUDA GPU; "
-                          "set trainer.accelerator=cpu (or auto)")
+        raise RecipeError(
+            f"trainer.accelerator={t.accelerator} but this machine has no CUDA GPU; "
+            "set trainer.accelerator=cpu (or auto)"
+        )
     wanted = processes_per_node(cfg)
     if on_gpu(cfg):
         if wanted > gpus:
-            raise RecipeError(f"trainer.devices={t.devices} but this machine has {gpus} GPU(s); set "
-                              f"trainer.devices={gpus} (and raise trainer.accumulate_grad_batches by the same "
-                              "factor to keep the global batch)")
+            raise RecipeError(
+                f"trainer.devices={t.devices} but this machine has {gpus} GPU(s); set "
+                f"trainer.devices={gpus} (and raise trainer.accumulate_grad_batches by the same "
+                "factor to keep the global batch)"
+            )
         return
     cores = cpu_cores()
     if wanted > cores:
@@ -79,7 +83,8 @@ def check_devices(cfg: RunConfig) -> None:
         raise RecipeError(
             f"trainer.devices={t.devices} asks for {wanted} processes but this machine has no GPU and {cores} CPU "
             f"core(s); to run here set trainer.devices=1 (up to {cores}) and "
-            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches * wanted} to keep the global batch")
+            f"trainer.accumulate_grad_batches={t.accumulate_grad_batches * wanted} to keep the global batch"
+        )
 
 
 def workers_limit(cfg: RunConfig) -> int:
@@ -92,8 +97,11 @@ def capped_workers(cfg: RunConfig) -> int:
     wanted, per_rank = cfg.data.num_workers, workers_limit(cfg)
     if wanted <= per_rank:
         return wanted
-    print(f"data.num_workers={wanted} capped to {per_rank}: {cpu_cores()} CPU core(s) shared by "
-          f"{processes_per_node(cfg)} process(es)", file=sys.stderr)
+    print(
+        f"data.num_workers={wanted} capped to {per_rank}: {cpu_cores()} CPU core(s) shared by "
+        f"{processes_per_node(cfg)} process(es)",
+        file=sys.stderr,
+    )
     return per_rank
 
 
@@ -114,7 +122,7 @@ def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
     from Korthikanti et al. 2022 (table 2): 34 * T * d_model bytes per layer and sequence in 16-bit,
     its MLP share (19 of 34, for d_ff = 4 d_model) scaled by d_ff, doubled in float32; plus one
     chunk of the loss's float32 logits. Sequences at their configured maximum length."""
-    from .model.accounting import count_parameters
+    from lit_transformer.model.accounting import count_parameters
 
     t = cfg.trainer
     params = count_parameters(model)
@@ -159,24 +167,31 @@ def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
         key, size = "data.batch_tokens", f"data.batch_tokens={cfg.data.batch_tokens}"
     else:
         key, size = "data.batch_size", f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens"
-    fixes = (f"lower {key} (raise trainer.accumulate_grad_batches to keep the global batch), "
-             "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway")
+    fixes = (
+        f"lower {key} (raise trainer.accumulate_grad_batches to keep the global batch), "
+        "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway"
+    )
     shape = f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at {size}"
     if on_gpu(cfg):
         total = gpu_memory()
         if need.per_rank > total:
-            raise RecipeError(f"one GPU needs about {need.per_rank / GB:.1f} GB ({shape}) but has "
-                              f"{total / GB:.1f} GB; {fixes}")
+            raise RecipeError(
+                f"one GPU needs about {need.per_rank / GB:.1f} GB ({shape}) but has {total / GB:.1f} GB; {fixes}"
+            )
         return
     available = available_memory()
     if available is None:
         return
     ranks = processes_per_node(cfg)
-    total = ranks * (need.per_rank + PROCESS_BYTES) + ranks * min(cfg.data.num_workers, workers_limit(cfg)) * WORKER_BYTES
+    total = (
+        ranks * (need.per_rank + PROCESS_BYTES) + ranks * min(cfg.data.num_workers, workers_limit(cfg)) * WORKER_BYTES
+    )
     if total > available:
-        raise RecipeError(f"{ranks} process(es) x about {(need.per_rank + PROCESS_BYTES) / GB:.1f} GB each ({shape}) "
-                          f"need about {total / GB:.1f} GB but this machine has {available / GB:.1f} GB available; "
-                          f"{fixes}")
+        raise RecipeError(
+            f"{ranks} process(es) x about {(need.per_rank + PROCESS_BYTES) / GB:.1f} GB each ({shape}) "
+            f"need about {total / GB:.1f} GB but this machine has {available / GB:.1f} GB available; "
+            f"{fixes}"
+        )
 
 
 def check(cfg: RunConfig, model: TransformerConfig) -> None:

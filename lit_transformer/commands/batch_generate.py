@@ -15,15 +15,16 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TextIO
+from typing import TextIO
 
 import torch
 
-from .errors import RunError
-from .prompts import complete, encode_prompt
-from .registry import PromptStyle
+from lit_transformer.commands.prompts import complete, encode_prompt
+from lit_transformer.errors import RunError
+from lit_transformer.recipe.registry import PromptStyle
 
 CHUNK_LINES = 4096  # inputs sorted together: enough for similar lengths, few MB of text at most
 SHOWN_NOTES = 3  # truncation notices printed one by one before only the count is kept
@@ -68,8 +69,9 @@ class ContextNotes:
     def prompt_cut(self, where: str, before: int, after: int, context: int, kept: str) -> None:
         self.truncated += 1
         if self.truncated <= SHOWN_NOTES:
-            self.say(f"{where} has {before} tokens, more than the model's context ({context}) holds: "
-                     f"kept its {kept} {after}")
+            self.say(
+                f"{where} has {before} tokens, more than the model's context ({context}) holds: kept its {kept} {after}"
+            )
 
     def finish(self) -> None:
         if self.truncated > SHOWN_NOTES:
@@ -79,9 +81,19 @@ class ContextNotes:
 class BatchGenerator:
     """Text in, text out for a loaded model: encode, fit the context, sort, batch, decode."""
 
-    def __init__(self, model, tokenizer, special, style: PromptStyle, decoding: Decoding, *, batch_size: int = 32,
-                 notes: ContextNotes | None = None, bidirectional_prompt: bool = False,
-                 mode_token_id: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        special,
+        style: PromptStyle,
+        decoding: Decoding,
+        *,
+        batch_size: int = 32,
+        notes: ContextNotes | None = None,
+        bidirectional_prompt: bool = False,
+        mode_token_id: int | None = None,
+    ):
         """bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete).
         mode_token_id: a token put before every prompt, as a mixture's task put it before its inputs."""
         if batch_size < 1:
@@ -124,32 +136,49 @@ class BatchGenerator:
             self._capped_said = True
             self.notes.capped = True
             what = "prompt and new tokens share" if self.style == "continue" else "the decoder holds"
-            self.notes.say(f"generation stops at the context length: max_new_tokens={self.decoding.max_new_tokens} "
-                           f"but the model's context ({self.context} tokens, model.max_seq_len) that {what} "
-                           f"leaves {budget} new tokens" + (f" after a {length}-token prompt"
-                                                            if self.style == "continue" else ""))
+            self.notes.say(
+                f"generation stops at the context length: max_new_tokens={self.decoding.max_new_tokens} "
+                f"but the model's context ({self.context} tokens, model.max_seq_len) that {what} "
+                f"leaves {budget} new tokens" + (f" after a {length}-token prompt" if self.style == "continue" else "")
+            )
 
-    def __call__(self, texts: list[str], first_index: int = 0, progress: Callable[[int], None] | None = None
-                 ) -> list[str]:
+    def __call__(
+        self, texts: list[str], first_index: int = 0, progress: Callable[[int], None] | None = None
+    ) -> list[str]:
         """Outputs of `texts`, in their order. Batches hold prompts of similar length and the
         same new-token budget, so every prompt is decoded exactly as it would be alone (same
         max_new_tokens, its padding masked)."""
-        prompts = [self.fit(self.lead + encode_prompt(t, self.tokenizer, self.special, self.style),
-                            f"input {first_index + i + 1}") for i, t in enumerate(texts)]
+        prompts = [
+            self.fit(
+                self.lead + encode_prompt(t, self.tokenizer, self.special, self.style), f"input {first_index + i + 1}"
+            )
+            for i, t in enumerate(texts)
+        ]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: memory errors early
         outputs: list[str] = [""] * len(prompts)
         start = 0
         while start < len(order):
             budget = self.budget(len(prompts[order[start]]))
             stop = start + 1
-            while stop < len(order) and stop - start < self.batch_size \
-                    and self.budget(len(prompts[order[stop]])) == budget:
+            while (
+                stop < len(order)
+                and stop - start < self.batch_size
+                and self.budget(len(prompts[order[stop]])) == budget
+            ):
                 stop += 1
             rows = order[start:stop]
             self._say_cap(len(prompts[rows[0]]), budget)
-            texts_out = complete(self.model, self.tokenizer, self.special, self.style, [prompts[i] for i in rows],
-                                 max_new_tokens=budget, generator=self.generator,
-                                 bidirectional_prompt=self.bidirectional_prompt, **self.decoding.options())
+            texts_out = complete(
+                self.model,
+                self.tokenizer,
+                self.special,
+                self.style,
+                [prompts[i] for i in rows],
+                max_new_tokens=budget,
+                generator=self.generator,
+                bidirectional_prompt=self.bidirectional_prompt,
+                **self.decoding.options(),
+            )
             for i, text in zip(rows, texts_out):
                 outputs[i] = text
             if progress is not None:
@@ -175,8 +204,10 @@ def read_inputs(path: str | Path, column: str | None = None) -> Iterator[str]:
     fmt = input_format(path)
     if fmt == "text":
         if column is not None:
-            raise RunError(f"--column {column}: {path} is plain text (one input per line); "
-                           "columns are read from .jsonl, .csv and .tsv files")
+            raise RunError(
+                f"--column {column}: {path} is plain text (one input per line); "
+                "columns are read from .jsonl, .csv and .tsv files"
+            )
         with open(path, encoding="utf-8", errors="replace", newline="\n") as file:
             for line in file:
                 yield line.rstrip("\n").rstrip("\r")
@@ -190,8 +221,9 @@ def read_inputs(path: str | Path, column: str | None = None) -> Iterator[str]:
             if column is None:
                 column = "source" if "source" in row else "text"
             if column not in row:
-                raise RunError(f"--input {path}: row {n} has no column {column!r} (it has {sorted(row)}); "
-                               "choose one with --column")
+                raise RunError(
+                    f"--input {path}: row {n} has no column {column!r} (it has {sorted(row)}); choose one with --column"
+                )
             value = row[column]
             yield "" if value is None else str(value)
 
@@ -222,7 +254,7 @@ def count_inputs(path: Path) -> int | None:
     may span lines."""
     if input_format(path) not in ("text", "jsonl"):
         return None
-    from .data.files import count_lines
+    from lit_transformer.data.files import count_lines
 
     return count_lines(path)
 
@@ -232,8 +264,16 @@ def one_line(text: str) -> str:
     return text.replace("\r\n", " ").replace("\n", " ").replace("\r", " ")
 
 
-def generate_file(generate: BatchGenerator, path: str | Path, out: TextIO, *, column: str | None = None,
-                  jsonl: bool = False, chunk_lines: int = CHUNK_LINES, progress_bar: bool = True) -> int:
+def generate_file(
+    generate: BatchGenerator,
+    path: str | Path,
+    out: TextIO,
+    *,
+    column: str | None = None,
+    jsonl: bool = False,
+    chunk_lines: int = CHUNK_LINES,
+    progress_bar: bool = True,
+) -> int:
     """Write an output line for every input of `path` to `out`, in input order; returns the
     count. jsonl: one {"input": ..., "output": ...} object per line."""
     from tqdm import tqdm
@@ -242,13 +282,20 @@ def generate_file(generate: BatchGenerator, path: str | Path, out: TextIO, *, co
     if not path.is_file():
         raise RunError(f"--input {path}: no such file")
     done = 0
-    with tqdm(total=count_inputs(path), unit="input", desc="generate", file=sys.stderr, disable=not progress_bar,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=count_inputs(path),
+        unit="input",
+        desc="generate",
+        file=sys.stderr,
+        disable=not progress_bar,
+        dynamic_ncols=True,
+    ) as bar:
         for chunk in chunks(read_inputs(path, column), chunk_lines):
             outputs = generate(chunk, first_index=done, progress=bar.update)
             for text, output in zip(chunk, outputs):
-                out.write(json.dumps({"input": text, "output": output}, ensure_ascii=False) if jsonl
-                          else one_line(output))
+                out.write(
+                    json.dumps({"input": text, "output": output}, ensure_ascii=False) if jsonl else one_line(output)
+                )
                 out.write("\n")
             out.flush()
             done += len(chunk)
@@ -259,8 +306,9 @@ def generate_file(generate: BatchGenerator, path: str | Path, out: TextIO, *, co
 # ----------------------------------------------------------------------------- scoring
 
 
-def translation_scores(generate: BatchGenerator, pairs: Iterable[tuple[str, str]], *, limit: int | None = None,
-                       progress_bar: bool = True) -> dict:
+def translation_scores(
+    generate: BatchGenerator, pairs: Iterable[tuple[str, str]], *, limit: int | None = None, progress_bar: bool = True
+) -> dict:
     """Corpus BLEU (Papineni et al. 2002) and chrF (Popović 2015) with sacrebleu's defaults of
     the outputs for the sources of `pairs` against their raw target text (the first `limit`
     pairs), with sacrebleu's signatures, which name everything that changes a score."""
@@ -271,8 +319,9 @@ def translation_scores(generate: BatchGenerator, pairs: Iterable[tuple[str, str]
 
     hypotheses: list[str] = []
     references: list[str] = []
-    with tqdm(total=limit, unit="sentence", desc="translate", file=sys.stderr, disable=not progress_bar,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=limit, unit="sentence", desc="translate", file=sys.stderr, disable=not progress_bar, dynamic_ncols=True
+    ) as bar:
         for chunk in chunks(islice(pairs, limit)):
             hypotheses += generate([source for source, _ in chunk], first_index=len(references), progress=bar.update)
             references += [target for _, target in chunk]
@@ -280,8 +329,12 @@ def translation_scores(generate: BatchGenerator, pairs: Iterable[tuple[str, str]
     if not references:
         raise RunError("no sentence pairs to score")
     bleu, chrf = BLEU(), CHRF()
-    return {"bleu": bleu.corpus_score(hypotheses, [references]).score,
-            "chrf": chrf.corpus_score(hypotheses, [references]).score,
-            "sentences": len(references), "num_beams": generate.decoding.num_beams,
-            "length_penalty": generate.decoding.length_penalty if generate.decoding.num_beams > 1 else None,
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+    return {
+        "bleu": bleu.corpus_score(hypotheses, [references]).score,
+        "chrf": chrf.corpus_score(hypotheses, [references]).score,
+        "sentences": len(references),
+        "num_beams": generate.decoding.num_beams,
+        "length_penalty": generate.decoding.length_penalty if generate.decoding.num_beams > 1 else None,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }

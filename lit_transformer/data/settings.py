@@ -9,10 +9,12 @@ or task built from the Python standard library (see `stdlib.py`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, get_args
+from typing import Any, Literal, get_args
 
-from lit_transformer.data.errors import DataError, closest
+from lit_transformer.data.errors import DataError
+from lit_transformer.errors import closest
 
 Objective = Literal["mlm", "clm", "span", "seq2seq", "classify"]
 OBJECTIVES = get_args(Objective)
@@ -34,7 +36,7 @@ class DataConfig:
     # .txt: one document per non-blank line, per blank-line separated paragraph, or per file
     text_format: TextFormat = "paragraphs"
     text_column: str = "text"
-    text_pair_column: Optional[str] = None  # classify: second segment of a pair
+    text_pair_column: str | None = None  # classify: second segment of a pair
     label_column: str = "label"
     source_column: str = "source"  # seq2seq from jsonl/csv/tsv/parquet
     target_column: str = "target"
@@ -42,15 +44,15 @@ class DataConfig:
     target_files: list[str] = field(default_factory=list)
     val_source_files: list[str] = field(default_factory=list)
     val_target_files: list[str] = field(default_factory=list)
-    hub_name: Optional[str] = None  # a datasets hub name; needs network
-    hub_config: Optional[str] = None
+    hub_name: str | None = None  # a datasets hub name; needs network
+    hub_config: str | None = None
     hub_train_split: str = "train"
-    hub_val_split: Optional[str] = "validation"
+    hub_val_split: str | None = "validation"
     task: Task = "single_label"  # classify only
     val_fraction: float = 0.02  # held out by a stable text hash when val_files is empty
-    max_documents: Optional[int] = None  # cap on training documents (tiny recipes)
-    max_train_bytes: Optional[int] = None  # cap on training UTF-8 bytes (tiny recipes)
-    max_val_bytes: Optional[int] = None
+    max_documents: int | None = None  # cap on training documents (tiny recipes)
+    max_train_bytes: int | None = None  # cap on training UTF-8 bytes (tiny recipes)
+    max_val_bytes: int | None = None
     max_line_bytes: int = 1 << 20  # a longer line is skipped and counted (corpus.py)
     streaming: bool = False  # tokenize and pack on the fly, no token cache (LM objectives)
     shuffle_buffer: int = 1024  # streaming: blocks held for shuffling
@@ -69,30 +71,35 @@ class DataConfig:
     batch_size: int = 32
     # seq2seq / classify: batches of similar length holding at most this many tokens (examples x
     # the longest source or target) instead of batch_size examples (fairseq's --max-tokens)
-    batch_tokens: Optional[int] = None
-    eval_batch_size: Optional[int] = None  # None: batch_size
+    batch_tokens: int | None = None
+    eval_batch_size: int | None = None  # None: batch_size
     shuffle: bool = True
     num_workers: int = 0
     # Processes that datasets uses to read jsonl/csv/parquet, and that tokenize-and-pack LM splits
     # (pack.py). None: datasets' default; packing is automatic: one process for the first 16 MB of
     # text, then min(available cores, 8). 1: one process. Never part of a cache key (same output).
-    num_proc: Optional[int] = None
-    cache_dir: Optional[str] = None  # None: $LIT_TRANSFORMER_CACHE or ~/.cache/lit_transformer
+    num_proc: int | None = None
+    cache_dir: str | None = None  # None: $LIT_TRANSFORMER_CACHE or ~/.cache/lit_transformer
 
     def __post_init__(self):
         _check_choice("data.format", self.format, get_args(Format))
         _check_choice("data.text_format", self.text_format, get_args(TextFormat))
         _check_choice("data.task", self.task, get_args(Task))
-        for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes",
-                     "shuffle_buffer"):
+        for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes", "shuffle_buffer"):
             _check_positive(f"data.{name}", getattr(self, name))
-        for name in ("max_documents", "max_train_bytes", "max_val_bytes", "eval_batch_size", "num_proc", "batch_tokens"):
+        for name in (
+            "max_documents",
+            "max_train_bytes",
+            "max_val_bytes",
+            "eval_batch_size",
+            "num_proc",
+            "batch_tokens",
+        ):
             if getattr(self, name) is not None:
                 _check_positive(f"data.{name}", getattr(self, name))
         if self.num_workers < 0:
             raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
-        for name in ("val_fraction", "mlm_probability", "mask_replace_prob", "random_replace_prob",
-                     "noise_density"):
+        for name in ("val_fraction", "mlm_probability", "mask_replace_prob", "random_replace_prob", "noise_density"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise DataError(f"data.{name}={value} must be in [0, 1)")
@@ -117,13 +124,13 @@ class DataConfig:
 
 @dataclass
 class TokenizerConfig:
-    path: Optional[str] = None  # an existing tokenizer.json; None: train one on the training split
+    path: str | None = None  # an existing tokenizer.json; None: train one on the training split
     kind: TokenizerKind = "bpe"  # bpe: GPT-2 byte-level; wordpiece: BERT; unigram: T5
     vocab_size: int = 8000
     min_frequency: int = 2
     num_sentinels: int = 100  # T5 <extra_id_0> ... <extra_id_99>
     lowercase: bool = False  # wordpiece and unigram normalisers
-    max_train_bytes: Optional[int] = None  # text fed to the tokenizer trainer
+    max_train_bytes: int | None = None  # text fed to the tokenizer trainer
     # Extra special tokens added when a tokenizer is trained, e.g. UL2's mode tokens [NLU], [NLG],
     # [S2S] (Tay et al. 2022): each becomes one id and is never split or masked. A tokenizer loaded
     # from `path` must already hold them (the model's vocabulary is sized from that file).
@@ -133,8 +140,9 @@ class TokenizerConfig:
         _check_choice("tokenizer.kind", self.kind, get_args(TokenizerKind))
         for token in self.extra_special_tokens:
             if not isinstance(token, str) or not token.strip() or token.strip() != token:
-                raise DataError(f"tokenizer.extra_special_tokens: {token!r} must be a non-empty string "
-                                "without surrounding spaces")
+                raise DataError(
+                    f"tokenizer.extra_special_tokens: {token!r} must be a non-empty string without surrounding spaces"
+                )
             if self.extra_special_tokens.count(token) > 1:
                 raise DataError(f"tokenizer.extra_special_tokens: {token!r} is listed twice")
         _check_positive("tokenizer.vocab_size", self.vocab_size)

@@ -1,4 +1,4 @@
-"""The product's options against each other (issue #15, items 2-3): a pairwise covering array.
+"""The product's options against each other: a pairwise covering array.
 
 Each row of ROWS below is one run: a few steps of a tiny configuration, stopped, resumed with
 `resume=auto` to a later step, then the commands that apply to what it left (`evaluate
@@ -51,8 +51,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_transformer.cli import main
-from lit_transformer.rundir import read_metrics
+from lit_transformer.commands.cli import main
+from lit_transformer.training.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -80,34 +80,34 @@ ROWS = [
     # objective  attention         data         strategy  precision     gen    compile ckpt   accumulate
     # compile rows first: each single-process one compiles its blocks (cold); the ddp and fsdp
     # ones repeat the graphs of the second and first row, which inductor's disk cache then serves
-    R("mlm",      "document_mask",  "streaming", "single", "bf16-true",  "off", "on",  "on",  2),
-    R("clm",      "linear",         "packed",    "single", "bf16-mixed", "on",  "on",  "off", 1),
-    R("span",     "sliding_window", "streaming", "single", "32-true",    "off", "on",  "off", 2),
-    R("classify", "full",           "packed",    "single", "32-true",    "off", "on",  "on",  1),
-    R("clm",      "linear",         "streaming", "ddp",    "bf16-mixed", "on",  "on",  "off", 2),
-    R("mlm",      "document_mask",  "packed",    "fsdp",   "bf16-true",  "off", "on",  "on",  1),
+    R("mlm", "document_mask", "streaming", "single", "bf16-true", "off", "on", "on", 2),
+    R("clm", "linear", "packed", "single", "bf16-mixed", "on", "on", "off", 1),
+    R("span", "sliding_window", "streaming", "single", "32-true", "off", "on", "off", 2),
+    R("classify", "full", "packed", "single", "32-true", "off", "on", "on", 1),
+    R("clm", "linear", "streaming", "ddp", "bf16-mixed", "on", "on", "off", 2),
+    R("mlm", "document_mask", "packed", "fsdp", "bf16-true", "off", "on", "on", 1),
     # the rest, found by a greedy pairwise search with compile off
-    R("seq2seq",  "sliding_window", "packed",    "ddp",    "bf16-true",  "on",  "off", "on",  1),
-    R("span",     "full",           "streaming", "fsdp",   "bf16-mixed", "on",  "off", "off", 2),
-    R("seq2seq",  "linear",         "packed",    "fsdp",   "32-true",    "off", "off", "off", 2),
-    R("mlm",      "document_mask",  "streaming", "ddp",    "bf16-mixed", "off", "off", "off", 1),
-    R("classify", "linear",         "packed",    "fsdp",   "bf16-true",  "off", "off", "off", 2),
-    R("clm",      "sliding_window", "packed",    "fsdp",   "bf16-mixed", "off", "off", "on",  1),
-    R("span",     "full",           "packed",    "ddp",    "bf16-true",  "off", "off", "on",  1),
-    R("clm",      "document_mask",  "streaming", "single", "32-true",    "on",  "off", "on",  1),
-    R("mlm",      "linear",         "packed",    "ddp",    "32-true",    "off", "off", "on",  2),
-    R("classify", "sliding_window", "packed",    "ddp",    "bf16-mixed", "off", "off", "off", 2),
-    R("seq2seq",  "full",           "packed",    "single", "bf16-mixed", "on",  "off", "on",  2),
-    R("clm",      "full",           "streaming", "fsdp",   "bf16-true",  "on",  "off", "on",  1),
-    R("mlm",      "full",           "streaming", "ddp",    "bf16-true",  "off", "off", "off", 2),
-    R("mlm",      "sliding_window", "packed",    "single", "32-true",    "off", "off", "on",  2),
+    R("seq2seq", "sliding_window", "packed", "ddp", "bf16-true", "on", "off", "on", 1),
+    R("span", "full", "streaming", "fsdp", "bf16-mixed", "on", "off", "off", 2),
+    R("seq2seq", "linear", "packed", "fsdp", "32-true", "off", "off", "off", 2),
+    R("mlm", "document_mask", "streaming", "ddp", "bf16-mixed", "off", "off", "off", 1),
+    R("classify", "linear", "packed", "fsdp", "bf16-true", "off", "off", "off", 2),
+    R("clm", "sliding_window", "packed", "fsdp", "bf16-mixed", "off", "off", "on", 1),
+    R("span", "full", "packed", "ddp", "bf16-true", "off", "off", "on", 1),
+    R("clm", "document_mask", "streaming", "single", "32-true", "on", "off", "on", 1),
+    R("mlm", "linear", "packed", "ddp", "32-true", "off", "off", "on", 2),
+    R("classify", "sliding_window", "packed", "ddp", "bf16-mixed", "off", "off", "off", 2),
+    R("seq2seq", "full", "packed", "single", "bf16-mixed", "on", "off", "on", 2),
+    R("clm", "full", "streaming", "fsdp", "bf16-true", "on", "off", "on", 1),
+    R("mlm", "full", "streaming", "ddp", "bf16-true", "off", "off", "off", 2),
+    R("mlm", "sliding_window", "packed", "single", "32-true", "off", "off", "on", 2),
     # refusals at startup: exit status 2, one line naming the key
-    R("span",     "linear",         "packed",    "single", "32-true",    "off", "off", "off", 1, "model.attention_kind"),
-    R("span",     "document_mask",  "packed",    "single", "32-true",    "off", "off", "off", 1, "data.document_mask"),
-    R("seq2seq",  "document_mask",  "packed",    "single", "32-true",    "off", "off", "off", 1, "data.document_mask"),
-    R("classify", "document_mask",  "packed",    "single", "32-true",    "off", "off", "off", 1, "data.document_mask"),
-    R("seq2seq",  "full",           "streaming", "single", "32-true",    "off", "off", "off", 1, "data.streaming"),
-    R("classify", "full",           "streaming", "single", "32-true",    "off", "off", "off", 1, "data.streaming"),
+    R("span", "linear", "packed", "single", "32-true", "off", "off", "off", 1, "model.attention_kind"),
+    R("span", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
+    R("seq2seq", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
+    R("classify", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
+    R("seq2seq", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "data.streaming"),
+    R("classify", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "data.streaming"),
 ]
 
 AXES = {
@@ -124,10 +124,14 @@ AXES = {
 # Pairs the program refuses at startup (linear attention has no scores for T5's relative
 # bias; document masks need the clm/mlm collators' packed documents; streaming packs LM
 # blocks only), and pairs that mean nothing (mlm and classify never generate).
-REFUSED = {("objective", "span", "attention", "linear"), ("objective", "span", "attention", "document_mask"),
-           ("objective", "seq2seq", "attention", "document_mask"),
-           ("objective", "classify", "attention", "document_mask"),
-           ("objective", "seq2seq", "data", "streaming"), ("objective", "classify", "data", "streaming")}
+REFUSED = {
+    ("objective", "span", "attention", "linear"),
+    ("objective", "span", "attention", "document_mask"),
+    ("objective", "seq2seq", "attention", "document_mask"),
+    ("objective", "classify", "attention", "document_mask"),
+    ("objective", "seq2seq", "data", "streaming"),
+    ("objective", "classify", "data", "streaming"),
+}
 MEANINGLESS = {("objective", "mlm", "generation", "on"), ("objective", "classify", "generation", "on")}
 # Left out for cost, and the only such pair: compiling seq2seq's blocks took 140-180 s here
 # (source and target lengths vary per batch, so both stacks compile again for dynamic shapes,
@@ -138,21 +142,41 @@ EXCLUDED = {("objective", "seq2seq", "compile", "on")}
 RUNS = [row for row in ROWS if row.refuses is None]
 # finetune.from the first mlm and the first clm row of each strategy: six runs whose backbones
 # have a window, linear attention or document masks, and two of them an FSDP-gathered model
-FINETUNE_FROM = {next(r for r in RUNS if (r.objective, r.strategy) == key)
-                 for key in itertools.product(("mlm", "clm"), AXES["strategy"])}
+FINETUNE_FROM = {
+    next(r for r in RUNS if (r.objective, r.strategy) == key)
+    for key in itertools.product(("mlm", "clm"), AXES["strategy"])
+}
 GENERATIVE = ("clm", "span", "seq2seq")
 
 STEPS, MORE = 5, 10  # stop after STEPS, resume to MORE; validation and a checkpoint every 5 steps
 SMALL = [
-    "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000", "data.max_val_bytes=20000",
-    "data.block_size=24", "data.batch_size=4", "data.max_length=24", "data.max_target_length=8",
-    "data.shuffle_buffer=64", "model.d_model=24", "model.n_heads=2", "model.d_ff=40", "model.n_layers=1",
-    "model.max_seq_len=32", "model.dropout=0.0",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=4",
+    "data.max_length=24",
+    "data.max_target_length=8",
+    "data.shuffle_buffer=64",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.max_seq_len=32",
+    "model.dropout=0.0",
     # a high constant learning rate without warmup: the loss falls within a few steps
-    "optim.lr=1e-2", "optim.warmup_steps=0", "optim.schedule=constant",
-    "trainer.val_check_interval=5", "trainer.checkpoint_every_n_steps=5", "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1", "trainer.num_threads=1", "trainer.accelerator=cpu",
-    "objective.bleu_batches=1", "generation.max_new_tokens=4", "generation.num_prompts=2",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "optim.schedule=constant",
+    "trainer.val_check_interval=5",
+    "trainer.checkpoint_every_n_steps=5",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.num_threads=1",
+    "trainer.accelerator=cpu",
+    "objective.bleu_batches=1",
+    "generation.max_new_tokens=4",
+    "generation.num_prompts=2",
     "logger.wandb.mode=disabled",
 ]
 VOCAB = {"mlm": 400, "clm": 400, "span": 420, "seq2seq": 400, "classify": 400}  # span adds sentinels
@@ -171,20 +195,32 @@ def overrides(row: Row) -> list[str]:
         out.append("data.streaming=true")
     if row.strategy != "single":
         out += [f"trainer.strategy={row.strategy}", "trainer.devices=2"]
-    return out + [f"trainer.precision={row.precision}", f"generation.enabled={ON[row.generation]}",
-                  f"objective.bleu={ON[row.generation]}", f"trainer.compile={ON[row.compile]}",
-                  f"trainer.activation_checkpointing={ON[row.checkpointing]}",
-                  f"trainer.accumulate_grad_batches={row.accumulate}"]
+    return out + [
+        f"trainer.precision={row.precision}",
+        f"generation.enabled={ON[row.generation]}",
+        f"objective.bleu={ON[row.generation]}",
+        f"trainer.compile={ON[row.compile]}",
+        f"trainer.activation_checkpointing={ON[row.checkpointing]}",
+        f"trainer.accumulate_grad_batches={row.accumulate}",
+    ]
 
 
 def pretrain_args(row: Row, run_dir: Path, *extra: str) -> list[str]:
-    return ["pretrain", str(RECIPES / f"tiny-{row.objective}.yaml"), *SMALL, *overrides(row),
-            f"run.dir={run_dir}", *extra]
+    return [
+        "pretrain",
+        str(RECIPES / f"tiny-{row.objective}.yaml"),
+        *SMALL,
+        *overrides(row),
+        f"run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def stop_and_resume(row: Row, run_dir: Path) -> list[list[str]]:
-    return [pretrain_args(row, run_dir, f"trainer.max_steps={STEPS}"),
-            pretrain_args(row, run_dir, f"trainer.max_steps={MORE}", "resume=auto")]
+    return [
+        pretrain_args(row, run_dir, f"trainer.max_steps={STEPS}"),
+        pretrain_args(row, run_dir, f"trainer.max_steps={MORE}", "resume=auto"),
+    ]
 
 
 def one_error_line(capsys) -> str:
@@ -337,10 +373,21 @@ def finetune(source: Path, run_dir: Path, capsys) -> None:
     """A classifier fine-tuned from the run: its backbone config, attention options included."""
     from lit_transformer.model.interop import load_pretrained
 
-    args = ["finetune", str(RECIPES / "tiny-classify-from-pretrained.yaml"), f"finetune.from={source}",
-            f"run.dir={run_dir}", "data.max_length=24", "data.batch_size=4", "trainer.max_steps=2",
-            "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.num_threads=1",
-            "trainer.precision=32-true", "optim.warmup_steps=0", "logger.wandb.mode=disabled"]
+    args = [
+        "finetune",
+        str(RECIPES / "tiny-classify-from-pretrained.yaml"),
+        f"finetune.from={source}",
+        f"run.dir={run_dir}",
+        "data.max_length=24",
+        "data.batch_size=4",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=1",
+        "trainer.num_threads=1",
+        "trainer.precision=32-true",
+        "optim.warmup_steps=0",
+        "logger.wandb.mode=disabled",
+    ]
     assert main(args) == 0
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert 0.0 <= metrics["val/accuracy"] <= 1.0 and math.isfinite(metrics["val/loss"]), metrics
@@ -380,17 +427,17 @@ def test_single_process_row(row, tmp_path, capsys):
     follow_up(row, run_dir, tmp_path, capsys)
 
 
-_SCRIPT = r'''
+_SCRIPT = r"""
 import json
 import sys
 
-from lit_transformer.cli import main
+from lit_transformer.commands.cli import main
 
 for args in json.loads(open(sys.argv[1]).read()):
     code = main(args)
     if code != 0:
         raise SystemExit(f"exit status {code}: {' '.join(args)}")
-'''
+"""
 
 
 def _free_port() -> int:
@@ -406,11 +453,23 @@ def _two_processes(strategy: str, tmp_path_factory) -> Path:
     commands = [args for row in RUNS if row.strategy == strategy for args in stop_and_resume(row, out / row.id)]
     (out / "commands.json").write_text(json.dumps(commands))
     (out / "run.py").write_text(_SCRIPT)
-    env = dict(os.environ, LIT_TRANSFORMER_CACHE=str(tmp_path_factory.getbasetemp() / "cache"),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    result = subprocess.run([sys.executable, str(out / "run.py"), str(out / "commands.json")], capture_output=True,
-                            text=True, env=env, cwd=out, timeout=600)
+    env = dict(
+        os.environ,
+        LIT_TRANSFORMER_CACHE=str(tmp_path_factory.getbasetemp() / "cache"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        HF_HUB_OFFLINE="1",
+    )
+    result = subprocess.run(
+        [sys.executable, str(out / "run.py"), str(out / "commands.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=out,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 

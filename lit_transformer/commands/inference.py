@@ -11,23 +11,43 @@ from typing import Any
 
 import torch
 
-from . import registry
-from .errors import RunError
-from .loading import (label_names, load_for_evaluation, load_language_model, resolve_source, source_model_config,
-                      source_objective)
-from .batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
-from .batch_generate import generate_file as run_file
-from .rundir import CONFIG_YAML
-from .runner import cpu_threads, data_module
+from lit_transformer.commands.batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
+from lit_transformer.commands.batch_generate import generate_file as run_file
+from lit_transformer.commands.loading import (
+    label_names,
+    load_for_evaluation,
+    load_language_model,
+    resolve_source,
+    source_model_config,
+    source_objective,
+)
+from lit_transformer.commands.train import cpu_threads, data_module
+from lit_transformer.errors import RunError
+from lit_transformer.recipe import registry
+from lit_transformer.training.rundir import CONFIG_YAML
 
 # what evaluate prints for the names the objectives log under val/
-EVALUATE_NAMES = {"ppl": "perplexity", "bpb": "bits_per_byte", "masked_accuracy": "accuracy",
-                  "token_accuracy": "accuracy"}
+EVALUATE_NAMES = {
+    "ppl": "perplexity",
+    "bpb": "bits_per_byte",
+    "masked_accuracy": "accuracy",
+    "token_accuracy": "accuracy",
+}
 
 
-def evaluate(target: str, data: str | None = None, *, max_batches: int | None = None, data_target: str | None = None,
-             num_beams: int | None = None, length_penalty: float | None = None, max_new_tokens: int | None = None,
-             batch_size: int = 32, task: str | None = None, progress_bar: bool = True) -> dict[str, Any]:
+def evaluate(
+    target: str,
+    data: str | None = None,
+    *,
+    max_batches: int | None = None,
+    data_target: str | None = None,
+    num_beams: int | None = None,
+    length_penalty: float | None = None,
+    max_new_tokens: int | None = None,
+    batch_size: int = 32,
+    task: str | None = None,
+    progress_bar: bool = True,
+) -> dict[str, Any]:
     """Validation metrics of a run (its final model) or checkpoint on its validation split or
     on `data` (a file in the run's data format, or with `data_target` a pair of aligned
     source/target files). Keys: loss, perplexity, bits_per_byte, accuracy, macro_f1, ... as fit
@@ -38,15 +58,17 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
 
     A mixture run reports every task's metrics as `<task>/<metric>` (clm/bits_per_byte); with
     `task`, that task's alone under the single objective's keys. `max_batches` counts per task."""
-    from .data.corpus import build_sources
-    from .data.files import ReadStats
-    from .objectives import evaluate_batches
+    from lit_transformer.data.corpus import build_sources
+    from lit_transformer.data.files import ReadStats
+    from lit_transformer.objectives import evaluate_batches
 
     source = resolve_source(target)
     cfg = source.run_config
     if cfg is None or source.tokenizer is None:
-        raise RunError(f"{target}: evaluate needs a run directory (or a checkpoint inside one) with "
-                       f"{CONFIG_YAML} and tokenizer.json")
+        raise RunError(
+            f"{target}: evaluate needs a run directory (or a checkpoint inside one) with "
+            f"{CONFIG_YAML} and tokenizer.json"
+        )
     data_cfg = cfg.data
     if data_target is not None and data is None:
         raise RunError(f"--data-target {data_target}: needs --data (the source file it aligns with)")
@@ -57,18 +79,34 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
         # the whole file: none of the run's caps on validation text
         data_cfg = dataclasses.replace(data_cfg, max_val_bytes=None, max_documents=None)
         if data_target is not None:
-            data_cfg = dataclasses.replace(data_cfg, train_files=[], val_files=[], source_files=[data],
-                                           target_files=[data_target], val_source_files=[data],
-                                           val_target_files=[data_target])
+            data_cfg = dataclasses.replace(
+                data_cfg,
+                train_files=[],
+                val_files=[],
+                source_files=[data],
+                target_files=[data_target],
+                val_source_files=[data],
+                val_target_files=[data_target],
+            )
         else:
-            data_cfg = dataclasses.replace(data_cfg, train_files=[data], val_files=[data], source_files=[],
-                                           target_files=[], val_source_files=[], val_target_files=[])
+            data_cfg = dataclasses.replace(
+                data_cfg,
+                train_files=[data],
+                val_files=[data],
+                source_files=[],
+                target_files=[],
+                val_source_files=[],
+                val_target_files=[],
+            )
     style = registry.spec(source_objective(source)).prompt_for(source_model_config(source).arch)
     translation = style == "transform" and cfg.objective.bleu and not cfg.tasks
-    cfg = dataclasses.replace(cfg, data=data_cfg,
-                              tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
-                              # BLEU is decoded below, over every sentence, not a few validation batches
-                              objective=dataclasses.replace(cfg.objective, bleu=False))
+    cfg = dataclasses.replace(
+        cfg,
+        data=data_cfg,
+        tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
+        # BLEU is decoded below, over every sentence, not a few validation batches
+        objective=dataclasses.replace(cfg.objective, bleu=False),
+    )
     dm = data_module(cfg, None)
     module = load_for_evaluation(source, cfg, dm)
     try:
@@ -89,24 +127,34 @@ def evaluate(target: str, data: str | None = None, *, max_batches: int | None = 
             out[prefix + EVALUATE_NAMES.get(name, name)] = value
     if translation:
         decoding = decoding_options(
-            max_new_tokens=max_new_tokens or cfg.data.max_target_length, greedy=True,
+            max_new_tokens=max_new_tokens or cfg.data.max_target_length,
+            greedy=True,
             num_beams=num_beams if num_beams is not None else cfg.objective.num_beams,
-            length_penalty=length_penalty if length_penalty is not None else cfg.objective.length_penalty)
+            length_penalty=length_penalty if length_penalty is not None else cfg.objective.length_penalty,
+        )
         # in float32, as `generate --input` decodes: the same options give the same text
-        generate_text = BatchGenerator(module.model, dm.tokenizer, dm.special_tokens, style, decoding,
-                                       batch_size=batch_size)
+        generate_text = BatchGenerator(
+            module.model, dm.tokenizer, dm.special_tokens, style, decoding, batch_size=batch_size
+        )
         pairs = build_sources(data_cfg, registry.spec(module.objective_name).data)["validation"].iterate(ReadStats())
         limit = None if max_batches is None else max_batches * (data_cfg.eval_batch_size or data_cfg.batch_size)
         out.update(translation_scores(generate_text, pairs, limit=limit, progress_bar=progress_bar))
     return out
 
 
-def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32, notes: ContextNotes | None = None,
-                    bidirectional_prompt: bool = False, mode_token: str | None = None) -> BatchGenerator:
+def batch_generator(
+    target: str,
+    decoding: Decoding,
+    *,
+    batch_size: int = 32,
+    notes: ContextNotes | None = None,
+    bidirectional_prompt: bool = False,
+    mode_token: str | None = None,
+) -> BatchGenerator:
     """A run's model, tokenizer and prompt style, ready to generate from text. A decoder may read
     the prompt bidirectionally (a prefix, as a mixture's prefix LM trained it); a mode token (a
     mixture's, e.g. [S2S]) is put before every prompt."""
-    from .data.tokenizer import SpecialTokens, load_tokenizer
+    from lit_transformer.data.tokenizer import SpecialTokens, load_tokenizer
 
     source = resolve_source(target)
     if source.tokenizer is None:
@@ -116,8 +164,10 @@ def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32, no
     style = registry.spec(objective).prompt_for(arch)
     if style is None:
         generative = [name for name, spec in registry.SPECS.items() if spec.generative(arch)]
-        raise RunError(f"{target}: a {objective} {arch} model does not generate text; generate needs "
-                       f"a {', '.join(generative) or 'decoder or encoder-decoder'} run")
+        raise RunError(
+            f"{target}: a {objective} {arch} model does not generate text; generate needs "
+            f"a {', '.join(generative) or 'decoder or encoder-decoder'} run"
+        )
     model = load_language_model(source).eval()
     tokenizer = load_tokenizer(source.tokenizer)
     if bidirectional_prompt and arch != "decoder":
@@ -127,14 +177,30 @@ def batch_generator(target: str, decoding: Decoding, *, batch_size: int = 32, no
         mode_id = tokenizer.token_to_id(mode_token)
         if mode_id is None or mode_token not in {t.content for t in tokenizer.get_added_tokens_decoder().values()}:
             raise RunError(f"--mode-token {mode_token}: not a special token of {source.tokenizer}")
-    return BatchGenerator(model, tokenizer, SpecialTokens.from_tokenizer(tokenizer), style, decoding,
-                          batch_size=batch_size, notes=notes, bidirectional_prompt=bidirectional_prompt,
-                          mode_token_id=mode_id)
+    return BatchGenerator(
+        model,
+        tokenizer,
+        SpecialTokens.from_tokenizer(tokenizer),
+        style,
+        decoding,
+        batch_size=batch_size,
+        notes=notes,
+        bidirectional_prompt=bidirectional_prompt,
+        mode_token_id=mode_id,
+    )
 
 
-def decoding_options(*, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
-                     top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1,
-                     length_penalty: float = 0.6, seed: int = 0) -> Decoding:
+def decoding_options(
+    *,
+    max_new_tokens: int = 64,
+    greedy: bool = False,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 0.6,
+    seed: int = 0,
+) -> Decoding:
     """The command line's decoding flags: sampling unless greedy or beam search."""
     if num_beams < 1:
         raise RunError(f"--num-beams {num_beams} must be at least 1")
@@ -145,35 +211,77 @@ def decoding_options(*, max_new_tokens: int = 64, greedy: bool = False, temperat
         raise RunError(f"--temperature {temperature} must be positive")
     if sampling and top_p is not None and not 0 < top_p <= 1:
         raise RunError(f"--top-p {top_p} is outside (0, 1]")
-    return Decoding(max_new_tokens=max_new_tokens, num_beams=num_beams, length_penalty=length_penalty,
-                    do_sample=sampling, temperature=temperature, top_k=top_k if sampling else None,
-                    top_p=top_p if sampling else None, seed=seed)
+    return Decoding(
+        max_new_tokens=max_new_tokens,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        do_sample=sampling,
+        temperature=temperature,
+        top_k=top_k if sampling else None,
+        top_p=top_p if sampling else None,
+        seed=seed,
+    )
 
 
-def generate(target: str, prompt: str, *, max_new_tokens: int = 64, greedy: bool = False, temperature: float = 0.8,
-             top_k: int | None = 50, top_p: float | None = None, num_beams: int = 1, length_penalty: float = 0.6,
-             seed: int = 0, bidirectional_prompt: bool = False, mode_token: str | None = None) -> str:
+def generate(
+    target: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    greedy: bool = False,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    num_beams: int = 1,
+    length_penalty: float = 0.6,
+    seed: int = 0,
+    bidirectional_prompt: bool = False,
+    mode_token: str | None = None,
+) -> str:
     """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model."""
-    decoding = decoding_options(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k,
-                                top_p=top_p, num_beams=num_beams, length_penalty=length_penalty, seed=seed)
-    generate_text = batch_generator(target, decoding, batch_size=1, bidirectional_prompt=bidirectional_prompt,
-                                    mode_token=mode_token)
+    decoding = decoding_options(
+        max_new_tokens=max_new_tokens,
+        greedy=greedy,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        seed=seed,
+    )
+    generate_text = batch_generator(
+        target, decoding, batch_size=1, bidirectional_prompt=bidirectional_prompt, mode_token=mode_token
+    )
     (text,) = generate_text([prompt])
     generate_text.notes.finish()
     return text
 
 
-def generate_file(target: str, input: str, output: str | None = None, *, column: str | None = None,
-                  batch_size: int = 32, progress_bar: bool = True, bidirectional_prompt: bool = False,
-                  mode_token: str | None = None, **decoding: Any) -> int:
+def generate_file(
+    target: str,
+    input: str,
+    output: str | None = None,
+    *,
+    column: str | None = None,
+    batch_size: int = 32,
+    progress_bar: bool = True,
+    bidirectional_prompt: bool = False,
+    mode_token: str | None = None,
+    **decoding: Any,
+) -> int:
     """One output line per input of a file (its lines, or a jsonl/csv/tsv column), in input
     order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout."""
     import sys
 
     if not Path(input).is_file():  # before loading the model
         raise RunError(f"--input {input}: no such file")
-    generate_text = batch_generator(target, decoding_options(**decoding), batch_size=batch_size,
-                                    bidirectional_prompt=bidirectional_prompt, mode_token=mode_token)
+    generate_text = batch_generator(
+        target,
+        decoding_options(**decoding),
+        batch_size=batch_size,
+        bidirectional_prompt=bidirectional_prompt,
+        mode_token=mode_token,
+    )
     if output is None:
         return run_file(generate_text, input, sys.stdout, column=column, progress_bar=progress_bar)
     try:
@@ -182,14 +290,15 @@ def generate_file(target: str, input: str, output: str | None = None, *, column:
     except OSError as error:
         raise RunError(f"--output {output}: cannot write ({error.strerror})") from None
     with file:
-        return run_file(generate_text, input, file, column=column, jsonl=output.endswith(".jsonl"),
-                        progress_bar=progress_bar)
+        return run_file(
+            generate_text, input, file, column=column, jsonl=output.endswith(".jsonl"), progress_bar=progress_bar
+        )
 
 
 def export(target: str, out: str, fmt: str = "hf") -> Path:
     """A transformers directory (config.json, model.safetensors, tokenizer.json) of a run's model."""
-    from .data.tokenizer import SpecialTokens, load_tokenizer
-    from .model.interop import InteropError, export_hf
+    from lit_transformer.data.tokenizer import SpecialTokens, load_tokenizer
+    from lit_transformer.model.interop import InteropError, export_hf
 
     if fmt != "hf":
         raise RunError(f"--format {fmt}: the only export format is hf")

@@ -1,4 +1,4 @@
-"""Issue 6's promises: crash-safe exact resume (kill -9, also inside a checkpoint write), a
+"""Failure handling: crash-safe exact resume (kill -9, also inside a checkpoint write), a
 one-line error for every bad input with nothing overwritten, safe checkpoint loading (pickled
 code never runs), the non-finite guard, CPU determinism, and faults (a dying data-loader
 worker, a full disk) that end in a clear error."""
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_transformer import checkpointing
-from lit_transformer.checkpointing import checkpoint_step, read_checkpoint
-from lit_transformer.cli import main
+from lit_transformer.commands.cli import main
 from lit_transformer.errors import RunError
-from lit_transformer.rundir import latest_checkpoint, read_metrics
+from lit_transformer.training import checkpoints
+from lit_transformer.training.checkpoints import checkpoint_step, read_checkpoint
+from lit_transformer.training.rundir import latest_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -30,11 +30,24 @@ RECIPES = ROOT / "recipes"
 # corpus, blocks of 24, batch 3, one 24-wide layer), float32, dropout on so that resuming has
 # random draws to get right; no W&B, no sample generation.
 TINY = [
-    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000", "data.block_size=24", "data.batch_size=3", "model.d_model=24", "model.n_heads=2",
-    "model.d_ff=40", "model.n_layers=1", "model.dropout=0.1", "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1", "trainer.precision=32-true", "trainer.num_threads=1",
-    "logger.wandb.mode=disabled", "generation.enabled=false", "optim.warmup_steps=2",
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=3",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "model.dropout=0.1",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.num_threads=1",
+    "logger.wandb.mode=disabled",
+    "generation.enabled=false",
+    "optim.warmup_steps=2",
 ]
 
 
@@ -58,12 +71,15 @@ def one_error_line(capsys) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} \
-        if folder.exists() else {}
+    return (
+        {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        if folder.exists()
+        else {}
+    )
 
 
 def temp_files(folder: Path) -> list[Path]:
-    return [p for p in folder.glob(".*") if checkpointing.is_temp(p)]
+    return [p for p in folder.glob(".*") if checkpoints.is_temp(p)]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +89,14 @@ def tiny_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     try:
-        assert main(pretrain(run_dir, "trainer.max_steps=4", "trainer.val_check_interval=4",
-                             "trainer.checkpoint_every_n_steps=2")) == 0
+        assert (
+            main(
+                pretrain(
+                    run_dir, "trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.checkpoint_every_n_steps=2"
+                )
+            )
+            == 0
+        )
     finally:
         mp.undo()
     return run_dir
@@ -94,13 +116,20 @@ def test_kill_9_inside_a_checkpoint_write_then_resume_matches_an_uninterrupted_r
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert main(pretrain(whole, *CRASH)) == 0
 
-    env = {**os.environ, checkpointing.PAUSE_ENV: "last.ckpt@8:120", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "lit_transformer.cli", *pretrain(killed, *CRASH)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    env = {**os.environ, checkpoints.PAUSE_ENV: "last.ckpt@8:120", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lit_transformer.commands.cli", *pretrain(killed, *CRASH)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     folder = killed / "checkpoints"
     deadline = time.monotonic() + 180
     try:
-        while not ((folder / "step-8.ckpt").exists() and any(p.name.startswith(".last.ckpt.") for p in temp_files(folder))):
+        while not (
+            (folder / "step-8.ckpt").exists() and any(p.name.startswith(".last.ckpt.") for p in temp_files(folder))
+        ):
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             assert time.monotonic() < deadline, "no checkpoint write seen"
             time.sleep(0.05)
@@ -127,7 +156,7 @@ def test_a_write_never_leaves_a_partial_file_under_the_final_name(tmp_path, monk
     """An exception in the middle of torch.save (what a kill would cut) leaves the previous
     file byte for byte and no temporary file."""
     target = tmp_path / "last.ckpt"
-    checkpointing.atomic_save({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, target)
+    checkpoints.atomic_save({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, target)
     before = target.read_bytes()
 
     def half_then_fail(obj, file):
@@ -135,7 +164,7 @@ def test_a_write_never_leaves_a_partial_file_under_the_final_name(tmp_path, monk
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        checkpointing.atomic_save({"state_dict": {}}, target, write=half_then_fail)
+        checkpoints.atomic_save({"state_dict": {}}, target, write=half_then_fail)
     assert target.read_bytes() == before and not temp_files(tmp_path)
     assert read_checkpoint(target)["global_step"] == 1
 
@@ -162,11 +191,14 @@ def _wordlevel_tokenizer(tmp_path: Path) -> str:
 def _labels(tmp_path: Path) -> list[str]:
     import json
 
-    train = "".join(json.dumps({"text": f"some text number {i}", "label": ["cat", "dog"][i % 2]}) + "\n"
-                    for i in range(40))
+    train = "".join(
+        json.dumps({"text": f"some text number {i}", "label": ["cat", "dog"][i % 2]}) + "\n" for i in range(40)
+    )
     val = "".join(json.dumps({"text": f"other {i}", "label": ["cat", "bird"][i % 2]}) + "\n" for i in range(6))
-    return [f"data.train_files=[{_write(tmp_path, 't.jsonl', train.encode())}]",
-            f"data.val_files=[{_write(tmp_path, 'v.jsonl', val.encode())}]"]
+    return [
+        f"data.train_files=[{_write(tmp_path, 't.jsonl', train.encode())}]",
+        f"data.val_files=[{_write(tmp_path, 'v.jsonl', val.encode())}]",
+    ]
 
 
 # (case, recipe, extra overrides (a function of tmp_path), expected message, fails before the run dir exists)
@@ -176,21 +208,44 @@ BAD_INPUTS = [
     ("wrong type", "tiny-clm", lambda t: ["trainer.max_steps=ten"], "trainer.max_steps: Value 'ten'", True),
     ("dropout", "tiny-clm", lambda t: ["model.dropout=1.0"], "model.dropout=1.0 is outside [0, 1)", True),
     ("attention dropout", "tiny-clm", lambda t: ["model.attention_dropout=-0.1"], "is outside [0, 1)", True),
-    ("heads", "tiny-clm", lambda t: ["model.n_heads=5"], "model.d_model=24 is not divisible by model.n_heads=5",
-     True),
-    ("kv heads", "tiny-clm", lambda t: ["model.n_heads=4", "model.n_kv_heads=3"],
-     "model.n_heads=4 is not divisible by model.n_kv_heads=3", True),
-    ("learned positions", "tiny-clm", lambda t: ["model.position=learned", "model.max_seq_len=16"],
-     "data.block_size=24 exceeds model.max_seq_len=16", True),
+    ("heads", "tiny-clm", lambda t: ["model.n_heads=5"], "model.d_model=24 is not divisible by model.n_heads=5", True),
+    (
+        "kv heads",
+        "tiny-clm",
+        lambda t: ["model.n_heads=4", "model.n_kv_heads=3"],
+        "model.n_heads=4 is not divisible by model.n_kv_heads=3",
+        True,
+    ),
+    (
+        "learned positions",
+        "tiny-clm",
+        lambda t: ["model.position=learned", "model.max_seq_len=16"],
+        "data.block_size=24 exceeds model.max_seq_len=16",
+        True,
+    ),
     ("patience", "tiny-clm", lambda t: ["trainer.nonfinite_patience=0"], "trainer.nonfinite_patience=0 must be", True),
-    ("missing data", "tiny-clm", lambda t: [f"data.train_files=[{t / 'none.txt'}]"], "no such file or directory",
-     False),
-    ("empty data", "tiny-clm", lambda t: [f"data.train_files=[{_write(t, 'e.txt', b'')}]"], "is an empty file",
-     False),
-    ("binary data", "tiny-clm", lambda t: [f"data.train_files=[{_write(t, 'b.txt', bytes(range(256)) * 8)}]"],
-     "looks binary", False),
-    ("tokenizer lacks tokens", "tiny-mlm", lambda t: [f"tokenizer.path={_wordlevel_tokenizer(t)}"],
-     "which objective 'mlm' needs", False),
+    (
+        "missing data",
+        "tiny-clm",
+        lambda t: [f"data.train_files=[{t / 'none.txt'}]"],
+        "no such file or directory",
+        False,
+    ),
+    ("empty data", "tiny-clm", lambda t: [f"data.train_files=[{_write(t, 'e.txt', b'')}]"], "is an empty file", False),
+    (
+        "binary data",
+        "tiny-clm",
+        lambda t: [f"data.train_files=[{_write(t, 'b.txt', bytes(range(256)) * 8)}]"],
+        "looks binary",
+        False,
+    ),
+    (
+        "tokenizer lacks tokens",
+        "tiny-mlm",
+        lambda t: [f"tokenizer.path={_wordlevel_tokenizer(t)}"],
+        "which objective 'mlm' needs",
+        False,
+    ),
     ("vocabulary > embedding", "tiny-clm", lambda t: ["model.vocab_size=50"], "model.vocab_size=50", False),
     ("labels outside the set", "tiny-classify", _labels, "labels ['bird'] do not occur in the training data", False),
 ]
@@ -214,8 +269,18 @@ def test_bad_input_is_one_line_exit_2(case, recipe, extra, message, early, tmp_p
 
 def test_a_run_directory_holding_another_run_is_left_alone(tiny_run, tmp_path, capsys):
     before = snapshot(tiny_run)
-    assert main(pretrain(tiny_run, "trainer.max_steps=4", "trainer.val_check_interval=4",
-                         "trainer.checkpoint_every_n_steps=2", "model.d_model=32")) == 2
+    assert (
+        main(
+            pretrain(
+                tiny_run,
+                "trainer.max_steps=4",
+                "trainer.val_check_interval=4",
+                "trainer.checkpoint_every_n_steps=2",
+                "model.d_model=32",
+            )
+        )
+        == 2
+    )
     assert "holds a different run (model.d_model: 24 -> 32)" in one_error_line(capsys)
     assert snapshot(tiny_run) == before
 
@@ -239,16 +304,24 @@ def _damaged(tiny_run: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("damage", ["truncated", "corrupted", "not a checkpoint"])
 def test_damaged_checkpoints_are_one_line_errors_naming_the_file(damage, tiny_run, tmp_path, capsys):
     ckpt = _copy_run(tiny_run, tmp_path / "copy", _damaged(tiny_run)[damage])
-    for argv in (["evaluate", str(ckpt)], ["generate", str(ckpt), "--prompt", "def"],
-                 ["export", str(ckpt), str(tmp_path / "out")],
-                 pretrain(tmp_path / "new", "trainer.max_steps=4", f"resume={ckpt}")):
+    for argv in (
+        ["evaluate", str(ckpt)],
+        ["generate", str(ckpt), "--prompt", "def"],
+        ["export", str(ckpt), str(tmp_path / "out")],
+        pretrain(tmp_path / "new", "trainer.max_steps=4", f"resume={ckpt}"),
+    ):
         assert main(argv) == 2, argv
         line = one_error_line(capsys)
         assert str(ckpt) in line and "not a readable Lightning checkpoint" in line, line
     # resume=auto in the directory: the only checkpoint is unreadable, so no silent restart
     before = snapshot(tmp_path / "copy")
-    args = pretrain(tmp_path / "copy", "trainer.max_steps=4", "trainer.val_check_interval=4",
-                    "trainer.checkpoint_every_n_steps=2", "resume=auto")
+    args = pretrain(
+        tmp_path / "copy",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.checkpoint_every_n_steps=2",
+        "resume=auto",
+    )
     assert main(args) == 2 and str(ckpt) in one_error_line(capsys)
     assert snapshot(tmp_path / "copy") == before
 
@@ -262,8 +335,11 @@ def test_a_damaged_final_model_is_a_one_line_error_naming_the_file(damage, tiny_
     weights = run / "model.safetensors"
     good = weights.read_bytes()
     weights.write_bytes(good[: len(good) // 2] if damage == "truncated" else b"hello world, not tensors")
-    for argv in (["evaluate", str(run)], ["generate", str(run), "--prompt", "def"],
-                 ["export", str(run), str(tmp_path / "out")]):
+    for argv in (
+        ["evaluate", str(run)],
+        ["generate", str(run), "--prompt", "def"],
+        ["export", str(run), str(tmp_path / "out")],
+    ):
         assert main(argv) == 2, argv
         line = one_error_line(capsys)
         assert f"{weights}: not a readable safetensors file" in line, line
@@ -280,8 +356,10 @@ def test_resuming_a_checkpoint_of_another_architecture_names_the_fields(tiny_run
 
 
 def test_non_utf8_data_is_replaced_and_counted(tmp_path, capsys):
-    """Issue 3's documented behaviour: invalid bytes become U+FFFD, counted in the summary."""
-    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)).encode() + b"caf\xe9 \xff\xfe\n"
+    """Documented behaviour: invalid bytes become U+FFFD, counted in the summary."""
+    text = (
+        "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)).encode() + b"caf\xe9 \xff\xfe\n"
+    )
     path = _write(tmp_path, "latin.txt", text)
     args = pretrain(tmp_path / "run", f"data.train_files=[{path}]", "data.val_fraction=0.1")
     assert main(["prepare", *args[1:]]) == 0
@@ -310,16 +388,26 @@ def test_pickled_code_is_refused_without_running(tiny_run, tmp_path, capsys):
     ckpt = _copy_run(tiny_run, tmp_path / "run", evil.read_bytes())
     hf = tmp_path / "hf"  # a transformers-style directory with pytorch_model.bin
     hf.mkdir()
-    (hf / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 24, '
-                                    '"n_head": 2, "n_layer": 1, "vocab_size": 300, "n_positions": 32}')
+    (hf / "config.json").write_text(
+        '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 24, '
+        '"n_head": 2, "n_layer": 1, "vocab_size": 300, "n_positions": 32}'
+    )
     torch.save({"transformer.wte.weight": Payload(marker)}, hf / "pytorch_model.bin")
     (hf / "tokenizer.json").write_bytes((tiny_run / "tokenizer.json").read_bytes())
-    finetune = ["finetune", str(RECIPES / "tiny-classify-from-pretrained.yaml"), "trainer.max_steps=1",
-                "data.max_train_bytes=150000", "data.max_val_bytes=20000",
-                "logger.wandb.mode=disabled", f"run.dir={tmp_path / 'ft'}"]
+    finetune = [
+        "finetune",
+        str(RECIPES / "tiny-classify-from-pretrained.yaml"),
+        "trainer.max_steps=1",
+        "data.max_train_bytes=150000",
+        "data.max_val_bytes=20000",
+        "logger.wandb.mode=disabled",
+        f"run.dir={tmp_path / 'ft'}",
+    ]
     for argv, says in (
-        (["evaluate", str(ckpt)], "refused"), (["generate", str(ckpt), "--prompt", "x"], "refused"),
-        (["generate", str(hf), "--prompt", "x"], "refused"), ([*finetune, f"finetune.from={ckpt}"], "refused"),
+        (["evaluate", str(ckpt)], "refused"),
+        (["generate", str(ckpt), "--prompt", "x"], "refused"),
+        (["generate", str(hf), "--prompt", "x"], "refused"),
+        ([*finetune, f"finetune.from={ckpt}"], "refused"),
         ([*finetune, f"finetune.from={hf}"], "refused"),
         (pretrain(tmp_path / "new", f"resume={ckpt}"), "refused"),
         (pretrain(tmp_path / "run", "resume=auto"), "refused"),
@@ -340,7 +428,7 @@ def test_pickled_code_is_refused_without_running(tiny_run, tmp_path, capsys):
 def test_recipes_cannot_run_code(tmp_path, capsys, monkeypatch):
     from omegaconf import OmegaConf
 
-    from lit_transformer.config import load_recipe
+    from lit_transformer.recipe.load import load_recipe
 
     monkeypatch.setenv("RUN_ROOT", str(tmp_path))
     assert load_recipe(RECIPES / "tiny-clm.yaml", ["run.dir=${oc.env:RUN_ROOT}/x"]).run.dir == f"{tmp_path}/x"
@@ -374,8 +462,18 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypa
 
     monkeypatch.setattr(ObjectiveBase, "finish_training_step", poisoned)
     run_dir = tmp_path / "run"
-    assert main(pretrain(run_dir, "trainer.max_steps=12", "trainer.val_check_interval=12",
-                         "trainer.checkpoint_every_n_steps=4", "trainer.nonfinite_patience=3")) == 2
+    assert (
+        main(
+            pretrain(
+                run_dir,
+                "trainer.max_steps=12",
+                "trainer.val_check_interval=12",
+                "trainer.checkpoint_every_n_steps=4",
+                "trainer.nonfinite_patience=3",
+            )
+        )
+        == 2
+    )
     line = one_error_line(capsys)
     assert "training stopped at step 8: 3 steps in a row had a non-finite loss or gradient" in line
     assert str(run_dir / "checkpoints" / "last.ckpt") in line
@@ -397,12 +495,12 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypa
 
 @pytest.mark.parametrize("bf16_cpu", [True, False])
 def test_language_models_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
-    from lit_transformer import config
-    from lit_transformer.config import load_recipe
+    from lit_transformer.recipe import load
+    from lit_transformer.recipe.load import load_recipe
 
     flags = {"avx2", "amx_bf16"} if bf16_cpu else {"avx2", "avx512f"}
-    monkeypatch.setattr(config, "_cpu_flags", lambda: flags)
-    monkeypatch.setattr(config, "_has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(load, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(load, "_has_nvidia_gpu", lambda: False)
     for path in RECIPES.glob("*.yaml"):
         cfg = load_recipe(path)
         if cfg.objective.name in ("span", "seq2seq"):  # never float16: T5's activations overflow it
@@ -436,7 +534,7 @@ def test_same_recipe_and_seed_give_identical_losses(tmp_path):
 
 WORKER_DIES = """
 import os, sys, torch.utils.data as tud
-from lit_transformer.cli import main
+from lit_transformer.commands.cli import main
 from lit_transformer.data import module
 getitem = module._CollatedBatches.__getitem__
 def dying(self, index):
@@ -453,8 +551,9 @@ def test_a_dying_dataloader_worker_is_a_clear_error_not_a_hang(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = pretrain(tmp_path / "run", "data.num_workers=1", "trainer.max_steps=4", "trainer.val_check_interval=4")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", WORKER_DIES, *args], env=env, capture_output=True, text=True,
-                         timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER_DIES, *args], env=env, capture_output=True, text=True, timeout=240
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     err = out.stderr.strip().splitlines()[-1]
     assert err.startswith("error: a data-loader worker died (DataLoader worker (pid") and "Traceback" not in out.stderr
@@ -473,13 +572,29 @@ def test_a_full_disk_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, 
 
     monkeypatch.setattr(torch, "save", full_disk)
     run_dir = tmp_path / "run"
-    assert main(pretrain(run_dir, "trainer.max_steps=6", "trainer.val_check_interval=6",
-                         "trainer.checkpoint_every_n_steps=2")) == 2
+    assert (
+        main(
+            pretrain(
+                run_dir, "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.checkpoint_every_n_steps=2"
+            )
+        )
+        == 2
+    )
     line = one_error_line(capsys)
     assert "No space left on device" in line and "the previous checkpoint is intact" in line
     folder = run_dir / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step-2.ckpt"]  # no temporary file
     assert read_checkpoint(folder / "last.ckpt")["global_step"] == 2
     monkeypatch.setattr(torch, "save", real_save)
-    assert main(pretrain(run_dir, "trainer.max_steps=6", "trainer.val_check_interval=6",
-                         "trainer.checkpoint_every_n_steps=2", "resume=auto")) == 0  # and it resumes
+    assert (
+        main(
+            pretrain(
+                run_dir,
+                "trainer.max_steps=6",
+                "trainer.val_check_interval=6",
+                "trainer.checkpoint_every_n_steps=2",
+                "resume=auto",
+            )
+        )
+        == 0
+    )  # and it resumes

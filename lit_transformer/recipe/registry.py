@@ -12,11 +12,11 @@ under objectives/ and its import in objectives/__init__.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, TypeVar
+from typing import Literal, TypeVar
 
-from .data.errors import closest
-from .errors import RecipeError
+from lit_transformer.errors import RecipeError, closest
 
 T = TypeVar("T", bound=type)
 # How `generate` and sample generations turn a prompt into model input: a decoder continues the
@@ -32,11 +32,11 @@ class ObjectiveSpec:
     data: str  # the data pipeline's kind (collator, token cache), one of data.config.OBJECTIVES
     length_keys: tuple[str, ...]  # data keys that bound the sequences the model reads
     # None: the objective does not write text; a dict: the style by model.arch (a mixture)
-    prompt: Optional[PromptStyle] | dict[str, PromptStyle]
+    prompt: PromptStyle | None | dict[str, PromptStyle]
     lm_head: bool  # trains the language-model head (`export` writes it; classifiers have their own)
     precision: str  # trainer.precision when the recipe leaves it null
 
-    def prompt_for(self, arch: str) -> Optional[PromptStyle]:
+    def prompt_for(self, arch: str) -> PromptStyle | None:
         """How a model of this architecture trained with this objective turns a prompt into input."""
         return self.prompt.get(arch) if isinstance(self.prompt, dict) else self.prompt
 
@@ -45,31 +45,62 @@ class ObjectiveSpec:
         return self.prompt_for(arch) is not None
 
 
-SPECS: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (
-    # bf16 autocast (config.default_precision keeps float32 on CPUs that would emulate it): after
-    # 300 steps tiny-clm reached 2.1182 bits/byte in float32 and in bf16-mixed alike, tiny-mlm
-    # 2.466 and 2.466, at 1.9x and 2.1x the tokens/s (AVX512-BF16 EPYC, 1 thread)
-    ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="bf16-mixed"),
-    ObjectiveSpec("clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True,
-                  precision="bf16-mixed"),
-    # T5 activations overflow float16's range: Raffel et al. 2020 trained in bfloat16, and fp16
-    # T5 gives inf/NaN, so span corruption defaults to bf16 autocast
-    ObjectiveSpec("span", ("encoder_decoder",), "span", ("block_size",), prompt="fill_spans", lm_head=True,
-                  precision="bf16-mixed"),
-    # translation: bf16 autocast gave the same validation loss per step as float32 on Tatoeba
-    # (3.68 against 3.73 nats after 1,200 steps) at 2.1x the tokens/s on an AVX512-BF16 CPU
-    ObjectiveSpec("seq2seq", ("encoder_decoder",), "seq2seq", ("max_length", "max_target_length"),
-                  prompt="transform", lm_head=True, precision="bf16-mixed"),
-    ObjectiveSpec("classify", ("encoder", "decoder", "encoder_decoder"), "classify", ("max_length",),
-                  prompt=None, lm_head=False, precision="32-true"),
-    # a recipe with `tasks:` (tasks.py): its tasks' data kinds and lengths are checked per task; a
-    # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq)
-    ObjectiveSpec("mixture", ("encoder", "decoder", "encoder_decoder"), "mixture", ("block_size",),
-                  prompt={"decoder": "continue", "encoder_decoder": "transform"}, lm_head=True,
-                  precision="32-true"),
-)}
+SPECS: dict[str, ObjectiveSpec] = {
+    spec.name: spec
+    for spec in (
+        # bf16 autocast (config.default_precision keeps float32 on CPUs that would emulate it): after
+        # 300 steps tiny-clm reached 2.1182 bits/byte in float32 and in bf16-mixed alike, tiny-mlm
+        # 2.466 and 2.466, at 1.9x and 2.1x the tokens/s (AVX512-BF16 EPYC, 1 thread)
+        ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="bf16-mixed"),
+        ObjectiveSpec(
+            "clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True, precision="bf16-mixed"
+        ),
+        # T5 activations overflow float16's range: Raffel et al. 2020 trained in bfloat16, and fp16
+        # T5 gives inf/NaN, so span corruption defaults to bf16 autocast
+        ObjectiveSpec(
+            "span",
+            ("encoder_decoder",),
+            "span",
+            ("block_size",),
+            prompt="fill_spans",
+            lm_head=True,
+            precision="bf16-mixed",
+        ),
+        # translation: bf16 autocast gave the same validation loss per step as float32 on Tatoeba
+        # (3.68 against 3.73 nats after 1,200 steps) at 2.1x the tokens/s on an AVX512-BF16 CPU
+        ObjectiveSpec(
+            "seq2seq",
+            ("encoder_decoder",),
+            "seq2seq",
+            ("max_length", "max_target_length"),
+            prompt="transform",
+            lm_head=True,
+            precision="bf16-mixed",
+        ),
+        ObjectiveSpec(
+            "classify",
+            ("encoder", "decoder", "encoder_decoder"),
+            "classify",
+            ("max_length",),
+            prompt=None,
+            lm_head=False,
+            precision="32-true",
+        ),
+        # a recipe with `tasks:` (recipe/mixture.py): its tasks' data kinds and lengths are checked per task; a
+        # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq)
+        ObjectiveSpec(
+            "mixture",
+            ("encoder", "decoder", "encoder_decoder"),
+            "mixture",
+            ("block_size",),
+            prompt={"decoder": "continue", "encoder_decoder": "transform"},
+            lm_head=True,
+            precision="32-true",
+        ),
+    )
+}
 
-MIXTURE = "mixture"  # the objective of a recipe that lists tasks (config.load_recipe names it)
+MIXTURE = "mixture"  # the objective of a recipe that lists tasks (recipe.load.load_recipe names it)
 
 # How a model directory that records no objective (a transformers checkpoint) is read.
 DEFAULT_FOR_ARCH = {"encoder": "mlm", "decoder": "clm", "encoder_decoder": "span"}

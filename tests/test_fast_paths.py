@@ -1,4 +1,4 @@
-"""Issue 5's speed work: the objectives' options (per-block activation checkpointing, alone
+"""Fast paths and their options: the objectives' options (per-block activation checkpointing, alone
 and under FSDP2 with 2 gloo processes; per-block torch.compile) and the core's fast paths
 (stacked projections, dropped all-ones masks, batch-shared position biases, CPU bf16
 attention as two matrix products), each against the plain computation it replaces.
@@ -17,22 +17,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
 from lit_transformer.model.transformer import Block
 from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
-from lit_transformer.distributed import CheckpointedBlock, checkpoint_block
 from lit_transformer.objectives.base import ObjectiveBase
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
-from conftest import tiny_config
+from lit_transformer.training.distributed import CheckpointedBlock, checkpoint_block
 
 B, T, V = 3, 7, 99
 
 
 def tiny(arch: str, **kw) -> TransformerConfig:
-    base = dict(dropout=0.1, attention_dropout=0.1, position="t5_relative" if arch == "encoder_decoder" else "learned",
-                lm_head="bert_mlm" if arch == "encoder" else "linear")
+    base = dict(
+        dropout=0.1,
+        attention_dropout=0.1,
+        position="t5_relative" if arch == "encoder_decoder" else "learned",
+        lm_head="bert_mlm" if arch == "encoder" else "linear",
+    )
     return tiny_config(arch, **{**base, **kw})
 
 
@@ -176,12 +180,27 @@ def test_compile_runs_a_step_and_matches_eager():
 
 
 _RECIPE_RUN = [
-    "tokenizer.vocab_size=300", "tokenizer.max_train_bytes=150000", "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000", "data.block_size=24", "data.batch_size=3", "model.d_model=24", "model.n_heads=2",
-    "model.d_ff=40", "model.n_layers=2", "model.dropout=0.0", "optim.lr=1e-2", "optim.warmup_steps=0",
-    "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1", "trainer.precision=32-true", "trainer.num_threads=1",
-    "generation.enabled=false", "logger.wandb.mode=disabled",
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=3",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=2",
+    "model.dropout=0.0",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=0",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.num_threads=1",
+    "generation.enabled=false",
+    "logger.wandb.mode=disabled",
 ]
 
 
@@ -192,8 +211,8 @@ def test_recipe_keys_compile_and_checkpoint_the_trained_blocks(tmp_path):
     equal a plain run's (no dropout: inductor draws its own dropout masks)."""
     from lightning.pytorch.callbacks import Callback
 
-    from lit_transformer.config import load_recipe
-    from lit_transformer.runner import train
+    from lit_transformer.commands.train import train
+    from lit_transformer.recipe.load import load_recipe
 
     class Record(Callback):
         def __init__(self):
@@ -209,8 +228,11 @@ def test_recipe_keys_compile_and_checkpoint_the_trained_blocks(tmp_path):
     runs = {}
     for name, keys in (("plain", []), ("fast", ["trainer.compile=true", "trainer.activation_checkpointing=true"])):
         record = Record()
-        train(load_recipe(recipe, [*_RECIPE_RUN, *keys, f"run.dir={tmp_path / name}"]), callbacks=[record],
-              progress_bar=False)
+        train(
+            load_recipe(recipe, [*_RECIPE_RUN, *keys, f"run.dir={tmp_path / name}"]),
+            callbacks=[record],
+            progress_bar=False,
+        )
         runs[name] = record
     plain, fast = runs["plain"], runs["fast"]
     assert len(fast.blocks) == 2 and all(type(b) is CheckpointedBlock for b in fast.blocks)
@@ -266,14 +288,15 @@ def test_projections_are_not_stacked_for_few_tokens():
     assert _stack(torch.randn(B, T, 12), attn.q, attn.k, attn.v)
 
 
-@pytest.mark.parametrize("arch,position", [("decoder", "learned"), ("decoder", "alibi"), ("encoder", "learned"),
-                                           ("encoder_decoder", "t5_relative")])
+@pytest.mark.parametrize(
+    "arch,position",
+    [("decoder", "learned"), ("decoder", "alibi"), ("encoder", "learned"), ("encoder_decoder", "t5_relative")],
+)
 def test_all_ones_mask_and_shared_positions_take_the_fused_paths_with_the_same_result(arch, position):
     """An all-ones mask is dropped (SDPA without a bias tensor) and default positions are looked
     up once for the batch ((1, H, T, S) biases): both equal explicit masks and positions, which
     take the general paths."""
-    cfg = tiny(arch, position=position, dropout=0.0, attention_dropout=0.0, type_vocab_size=2,
-               lm_head="linear")
+    cfg = tiny(arch, position=position, dropout=0.0, attention_dropout=0.0, type_vocab_size=2, lm_head="linear")
     torch.manual_seed(0)
     model = LanguageModel.from_config(cfg).eval()
     stack = model.transformer.encoder if arch != "decoder" else model.transformer.decoder
@@ -310,7 +333,7 @@ def test_cpu_matmul_attention_matches_the_float32_reference(case):
     for dtype, impl in ((torch.bfloat16, "sdpa"), (torch.float32, "math")):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         b = None if bias is None else bias.to(dtype).requires_grad_()
-        out = attend(*leaves, b, is_causal=is_causal, scale=8 ** -0.5, dropout=0.0, impl=impl)
+        out = attend(*leaves, b, is_causal=is_causal, scale=8**-0.5, dropout=0.0, impl=impl)
         out.float().square().sum().backward()
         outputs.append([out] + [t.grad for t in leaves] + ([b.grad] if b is not None else []))
     for fast, ref in zip(*outputs):
@@ -326,7 +349,7 @@ from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lit_transformer.model import TransformerConfig
 from lit_transformer.objectives import CausalLM, OptimConfig
-from lit_transformer.distributed import CheckpointedBlock
+from lit_transformer.training.distributed import CheckpointedBlock
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -342,7 +365,8 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         losses.append(float(outputs["loss"]))
 
-fit = L.Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+fit = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                 max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                 enable_model_summary=False, callbacks=[Record()])
 fit.fit(module, DataLoader([{"input_ids": ids, "labels": labels}] * 16, batch_size=None))
@@ -361,10 +385,16 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
     script = tmp_path / "fsdp_ac.py"
     script.write_text(_FSDP_SCRIPT)
     for flag in ("0", "1"):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(21000 + os.getpid() % 20000 + int(flag)),
-                   OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        result = subprocess.run([sys.executable, str(script), flag], capture_output=True, text=True, env=env,
-                                cwd=tmp_path, timeout=240)
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(21000 + os.getpid() % 20000 + int(flag)),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+        )
+        result = subprocess.run(
+            [sys.executable, str(script), flag], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         plain = json.loads((tmp_path / f"report_0_{rank}.json").read_text())
@@ -377,7 +407,7 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
 
 _PAGE_FAULTS = r'''
 import json, resource, torch
-from lit_transformer.training import keep_freed_memory
+from lit_transformer.training.callbacks import keep_freed_memory
 
 def faults_of_a_third_block():
     """Minor page faults while a 64 MB block is filled after two equal ones were freed. Two, not
@@ -404,8 +434,9 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
     In a subprocess: the setting is process-wide."""
     if not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"):
         pytest.skip("mallopt is glibc's")
-    out = json.loads(subprocess.run([sys.executable, "-c", _PAGE_FAULTS], capture_output=True, text=True,
-                                    check=True).stdout)
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", _PAGE_FAULTS], capture_output=True, text=True, check=True).stdout
+    )
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert out["applied"] and out["restored"]
     assert out["default"] > pages // 2 and out["default_again"] > pages // 2, out
@@ -413,8 +444,9 @@ def test_keep_freed_memory_reuses_freed_blocks_without_page_faults():
 
 
 def test_keep_freed_memory_is_a_trainer_callback_unless_turned_off(tmp_path):
-    from lit_transformer.config import load_recipe
-    from lit_transformer.training import KeepFreedMemory, build_callbacks
+    from lit_transformer.recipe.load import load_recipe
+    from lit_transformer.training.callbacks import KeepFreedMemory
+    from lit_transformer.training.trainer import build_callbacks
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-clm.yaml"
     kinds = lambda cfg: [type(c) for c in build_callbacks(cfg, tmp_path, progress_bar=False)]  # noqa: E731

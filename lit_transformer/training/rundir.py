@@ -19,11 +19,11 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpointing import checkpoint_step, newest_complete, read_checkpoint, remove_temp_files
-from .config import load_recipe, to_dict
-from .distributed import is_main_process
-from .errors import RecipeError, RunError
-from .schema import RunConfig
+from lit_transformer.errors import RecipeError, RunError
+from lit_transformer.recipe.load import load_recipe, to_dict
+from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training.checkpoints import checkpoint_step, newest_complete, read_checkpoint, remove_temp_files
+from lit_transformer.training.distributed import is_main_process
 
 CONFIG_YAML = "config.yaml"
 TOKENIZER_JSON = "tokenizer.json"
@@ -36,8 +36,18 @@ SAMPLES_FILE = "samples.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 CSV_DIR = "csv"
 WANDB_DIR = "wandb"
-RUN_FILES = (CONFIG_YAML, "config.json", "model.safetensors", TOKENIZER_JSON, LABELS_JSON, CLASSIFIER_JSON,
-             CLASSIFIER_WEIGHTS, WANDB_ID_FILE, SAMPLES_FILE, METRICS_JSON)
+RUN_FILES = (
+    CONFIG_YAML,
+    "config.json",
+    "model.safetensors",
+    TOKENIZER_JSON,
+    LABELS_JSON,
+    CLASSIFIER_JSON,
+    CLASSIFIER_WEIGHTS,
+    WANDB_ID_FILE,
+    SAMPLES_FILE,
+    METRICS_JSON,
+)
 RUN_DIRS = (CHECKPOINT_DIR, CSV_DIR, WANDB_DIR)
 
 

@@ -25,9 +25,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .model.init import init_weights
-from .model.language_model import LanguageModel
-from .model.transformer import Block
+from lit_transformer.model.init import init_weights
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.model.transformer import Block
 
 
 def is_main_process() -> bool:
@@ -137,8 +137,7 @@ class _WholeTensorDraws(torch.overrides.TorchFunctionMode):
         return target
 
 
-def prepare_blocks(module: nn.Module, *, activation_checkpointing: bool, compile: bool,
-                   mesh=None) -> None:
+def prepare_blocks(module: nn.Module, *, activation_checkpointing: bool, compile: bool, mesh=None) -> None:
     """Per Block, in torchtitan's order: activation checkpointing, then torch.compile, then
     FSDP2 (when `mesh` is given) shards every Block and each top-level child with parameters
     (its root group gathers embeddings, norms and heads; tied weights stay inside one group),
@@ -195,8 +194,13 @@ def gathered_parameters(module: nn.Module):
     saved = []
     for unit in units:
         state = unit._get_fsdp_state()
-        saved.append((state, state._auto_reshard_after_forward,
-                      [group.post_forward_mesh_info for group in state._fsdp_param_groups]))
+        saved.append(
+            (
+                state,
+                state._auto_reshard_after_forward,
+                [group.post_forward_mesh_info for group in state._fsdp_param_groups],
+            )
+        )
         unit.set_reshard_after_forward(False, recurse=False)
     try:
         for unit in units:
@@ -235,6 +239,7 @@ def checkpoint_block(block: Block) -> None:
     if type(block) is not Block:
         raise TypeError(f"activation checkpointing wraps Block modules, not {type(block).__name__}")
     block.__class__ = CheckpointedBlock
+
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all gradients together (sharded DTensors included: a global norm)."""

@@ -19,8 +19,8 @@ import shutil
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 BLOCK = 32768
 CHUNK_HEADER = 7
@@ -38,11 +38,11 @@ def read_records(path: Path) -> tuple[bytes, list[bytes]]:
         if left < CHUNK_HEADER:
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + CHUNK_HEADER])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + CHUNK_HEADER])
         if kind == 0 and length == 0:  # zero padding at the end of a block
             pos += left
             continue
-        chunk, pos = data[pos + CHUNK_HEADER:pos + CHUNK_HEADER + length], pos + CHUNK_HEADER + length
+        chunk, pos = data[pos + CHUNK_HEADER : pos + CHUNK_HEADER + length], pos + CHUNK_HEADER + length
         buffer = chunk if kind in (FULL, FIRST) else buffer + chunk
         if kind in (FULL, LAST):
             records.append(buffer)

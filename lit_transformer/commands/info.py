@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import os
 import textwrap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from .config import load_recipe, model_config, model_overrides
-from .errors import RecipeError
-from .model.accounting import (
-    EMBEDDING_KEYS, cross_kv_cache_bytes_per_source_token, count_parameters, kv_cache_bytes_per_token,
-    non_embedding_parameters, parameter_breakdown, train_flops,
+from lit_transformer.errors import RecipeError, closest
+from lit_transformer.model.accounting import (
+    EMBEDDING_KEYS,
+    count_parameters,
+    cross_kv_cache_bytes_per_source_token,
+    kv_cache_bytes_per_token,
+    non_embedding_parameters,
+    parameter_breakdown,
+    train_flops,
 )
-from .model.config import PRESETS, ConfigError, TransformerConfig, closest, preset
+from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
+from lit_transformer.recipe.load import load_recipe, model_config, model_overrides
 
 BF16_BYTES = 2
 
@@ -36,7 +42,7 @@ def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, 
     name = os.path.splitext(os.path.basename(target))[0]
     if recipe.finetune.from_ is None:
         return name, recipe.model.preset, model_config(recipe)
-    from .loading import resolve_source, source_model_config  # reads the source's model config
+    from lit_transformer.commands.loading import resolve_source, source_model_config  # reads the source's model config
 
     config = source_model_config(resolve_source(recipe.finetune.from_))
     try:
@@ -45,8 +51,9 @@ def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, 
         raise RecipeError(f"{target}: {error}") from None
 
 
-def info(target: str, overrides: Sequence[str] = (), seq_len: int | None = None,
-         decoder_seq_len: int | None = None) -> dict[str, Any]:
+def info(
+    target: str, overrides: Sequence[str] = (), seq_len: int | None = None, decoder_seq_len: int | None = None
+) -> dict[str, Any]:
     """Accounting for a preset name or recipe path, as a JSON-serialisable dict.
 
     FLOPs are at `seq_len` (default the config's max_seq_len) and, for encoder-decoder models,
@@ -114,8 +121,12 @@ def format_info(d: dict[str, Any]) -> str:
         (f"KV cache / token ({d['kv_cache_dtype']})", _bytes(d["kv_cache_bytes_per_token"])),
     ]
     if d["arch"] == "encoder_decoder":
-        rows.append((f"cross KV cache / source token ({d['kv_cache_dtype']})",
-                     _bytes(d["cross_kv_cache_bytes_per_source_token"])))
+        rows.append(
+            (
+                f"cross KV cache / source token ({d['kv_cache_dtype']})",
+                _bytes(d["cross_kv_cache_bytes_per_source_token"]),
+            )
+        )
     width = max(len(label) for label, _ in rows)
     lines = [title, "-" * len(title)] + [f"{label:<{width}}  {value}" for label, value in rows]
     config = " ".join(f"{key}={value}" for key, value in d["config"].items())

@@ -19,10 +19,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .data.config import DataConfig
-from .data.errors import DataError
-from .errors import RecipeError
-from .schema import RunConfig, TaskConfig
+from lit_transformer.data.errors import DataError
+from lit_transformer.data.settings import DataConfig
+from lit_transformer.errors import RecipeError
+from lit_transformer.recipe.schema import RunConfig, TaskConfig
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,22 @@ class TaskObjectiveSpec:
 
 
 TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
-    "mlm": TaskObjectiveSpec(("encoder", "decoder"), {"encoder": "mlm", "decoder": "mlm"},
-                             parameters=("mlm_probability",), bidirectional=True),
+    "mlm": TaskObjectiveSpec(
+        ("encoder", "decoder"),
+        {"encoder": "mlm", "decoder": "mlm"},
+        parameters=("mlm_probability",),
+        bidirectional=True,
+    ),
     "clm": TaskObjectiveSpec(("decoder",), {"decoder": "clm"}),
     # a decoder's prefix LM reads next-token blocks (T + 1 tokens); an encoder-decoder's splits
     # plain blocks of T tokens into what it encodes and what it decodes
     "prefix_lm": TaskObjectiveSpec(("decoder", "encoder_decoder"), {"decoder": "clm", "encoder_decoder": "mlm"}),
-    "span": TaskObjectiveSpec(("encoder_decoder",), {"encoder_decoder": "span"},
-                              parameters=("noise_density", "mean_span_length")),
-    "seq2seq": TaskObjectiveSpec(("encoder_decoder",), {"encoder_decoder": "seq2seq"},
-                                 length_keys=("max_length", "max_target_length")),
+    "span": TaskObjectiveSpec(
+        ("encoder_decoder",), {"encoder_decoder": "span"}, parameters=("noise_density", "mean_span_length")
+    ),
+    "seq2seq": TaskObjectiveSpec(
+        ("encoder_decoder",), {"encoder_decoder": "seq2seq"}, length_keys=("max_length", "max_target_length")
+    ),
 }
 
 # the recipe's data keys that a task's own objective parameters replace
@@ -59,8 +65,15 @@ def pipeline(task: TaskConfig, arch: str) -> str:
 def task_data(cfg: RunConfig, task: TaskConfig) -> DataConfig:
     """The recipe's data section with the task's `data` overrides and objective parameters."""
     changes = {k: v for k, v in dataclasses.asdict(task.data).items() if v is not None}
-    for key in ("train_files", "val_files", "test_files", "source_files", "target_files", "val_source_files",
-                "val_target_files"):
+    for key in (
+        "train_files",
+        "val_files",
+        "test_files",
+        "source_files",
+        "target_files",
+        "val_source_files",
+        "val_target_files",
+    ):
         if isinstance(changes.get(key), str):  # one file where a list is expected
             changes[key] = [changes[key]]
     changes.update({k: getattr(task, k) for k in _OBJECTIVE_PARAMETERS if getattr(task, k) is not None})
@@ -98,23 +111,32 @@ def check_mixture(cfg: RunConfig, arch: str, source: str) -> None:
     for task in cfg.tasks:
         spec = TASK_OBJECTIVES[task.objective]
         if arch not in spec.archs:
-            raise RecipeError(f"{source}: tasks.{task.name}.objective={task.objective} needs model.arch in "
-                              f"{list(spec.archs)}, got {arch!r}")
+            raise RecipeError(
+                f"{source}: tasks.{task.name}.objective={task.objective} needs model.arch in "
+                f"{list(spec.archs)}, got {arch!r}"
+            )
         data = task_data(cfg, task)
         if data.document_mask:
-            raise RecipeError(f"{source}: tasks.{task.name}: data.document_mask=true is not offered in a mixture "
-                              "(a mode token and prefix positions would cross packed documents)")
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.document_mask=true is not offered in a mixture "
+                "(a mode token and prefix positions would cross packed documents)"
+            )
         if data.streaming:
-            raise RecipeError(f"{source}: tasks.{task.name}: data.streaming=true is not offered in a mixture "
-                              "(the mixture draws batches from each task's token cache)")
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.streaming=true is not offered in a mixture "
+                "(the mixture draws batches from each task's token cache)"
+            )
         if data.batch_tokens is not None:
-            raise RecipeError(f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "
-                              "(each task's batches hold data.batch_size examples)")
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "
+                "(each task's batches hold data.batch_size examples)"
+            )
         for key in _OBJECTIVE_PARAMETERS:
             if key not in spec.parameters and getattr(task, key) is not None:
                 takes = [name for name, other in TASK_OBJECTIVES.items() if key in other.parameters]
-                raise RecipeError(f"{source}: tasks.{task.name}.{key} applies to objective {', '.join(takes)}, "
-                                  f"not {task.objective}")
+                raise RecipeError(
+                    f"{source}: tasks.{task.name}.{key} applies to objective {', '.join(takes)}, not {task.objective}"
+                )
 
 
 def trains_bidirectional_mode(cfg: RunConfig) -> bool:
@@ -126,16 +148,32 @@ def mixture_data_module(cfg: RunConfig, run_dir: str | None, model_vocab_size: i
     """The MixtureDataModule of a recipe's tasks (not yet prepared): each task's data settings and
     pipeline, one tokenizer trained on the recipe's own data section, the mixing rates."""
     # here, not at the top: reading a recipe (this module's other work) must not import Lightning
-    from .data.mixture import MixtureDataModule, MixtureTask
+    from lit_transformer.data.mixture import MixtureDataModule, MixtureTask
 
     arch = cfg.model.arch
-    mixture_tasks = [MixtureTask(name=t.name, objective=t.objective, pipeline=pipeline(t, arch),
-                                 data=dataclasses.replace(task_data(cfg, t), num_workers=workers),
-                                 prefix_fraction=t.prefix_fraction, mode_token=t.mode_token) for t in cfg.tasks]
+    mixture_tasks = [
+        MixtureTask(
+            name=t.name,
+            objective=t.objective,
+            pipeline=pipeline(t, arch),
+            data=dataclasses.replace(task_data(cfg, t), num_workers=workers),
+            prefix_fraction=t.prefix_fraction,
+            mode_token=t.mode_token,
+        )
+        for t in cfg.tasks
+    ]
     m = cfg.mixture
-    return MixtureDataModule(mixture_tasks, arch=arch, tokenizer=cfg.tokenizer,
-                             tokenizer_data=dataclasses.replace(cfg.data, num_workers=workers),
-                             rates=m.rates, weights=[t.weight for t in cfg.tasks], cap=m.cap,
-                             temperature=m.temperature, seed=cfg.trainer.seed,
-                             accumulate=cfg.trainer.accumulate_grad_batches, run_dir=run_dir,
-                             model_vocab_size=model_vocab_size)
+    return MixtureDataModule(
+        mixture_tasks,
+        arch=arch,
+        tokenizer=cfg.tokenizer,
+        tokenizer_data=dataclasses.replace(cfg.data, num_workers=workers),
+        rates=m.rates,
+        weights=[t.weight for t in cfg.tasks],
+        cap=m.cap,
+        temperature=m.temperature,
+        seed=cfg.trainer.seed,
+        accumulate=cfg.trainer.accumulate_grad_batches,
+        run_dir=run_dir,
+        model_vocab_size=model_vocab_size,
+    )

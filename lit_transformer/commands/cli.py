@@ -1,0 +1,284 @@
+"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, average, export.
+
+Each subcommand parses its arguments and calls one function: `runner` trains, `inference`
+evaluates, generates and exports, `info` counts. A user error (a bad
+recipe, missing data, a missing run directory, a bad checkpoint) prints one line,
+`error: ...`, and exits with status 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+# a subcommand's --debug must not reset the top-level one (argparse copies subparser defaults)
+DEBUG = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
+EPILOG = (
+    "Recipes are YAML files (see recipes/); key=value arguments override any recipe key, e.g. trainer.max_steps=100."
+)
+
+
+def _recipe_command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help, epilog=EPILOG)
+    p.add_argument("recipe", metavar="RECIPE", help="recipe YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe as YAML and exit")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser = argparse.ArgumentParser(
+        prog="lit-transformer",
+        parents=[debug],
+        description="Pretrain and fine-tune Transformers (BERT, GPT, T5, the 2017 Transformer) with PyTorch Lightning.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
+    for name, help in (
+        ("pretrain", "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)"),
+        ("finetune", "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)"),
+        ("prepare", "train or load the tokenizer and tokenize the data into the cache, without training"),
+    ):
+        _recipe_command(sub, name, help).add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="validation metrics of a run or checkpoint",
+        description="Validation metrics of a run directory (its final model) or a checkpoint: "
+        "loss, perplexity, bits_per_byte, accuracy, macro_f1 as fit the objective; a translation "
+        "(seq2seq) run also decodes every sentence and reports sacrebleu's BLEU and chrF with "
+        "their signatures.",
+    )
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="evaluate on this file instead of the run's validation split "
+        "(a file in the run's data format; with --data-target, the source side of aligned files)",
+    )
+    p.add_argument(
+        "--data-target",
+        metavar="PATH",
+        help="translation: the reference file aligned line by line "
+        "with --data (e.g. --data test.de --data-target test.en)",
+    )
+    p.add_argument(
+        "--max-batches",
+        type=int,
+        metavar="N",
+        help="evaluate at most N batches (translation: their sentences; default: all)",
+    )
+    p.add_argument(
+        "--num-beams",
+        type=int,
+        metavar="N",
+        help="translation BLEU/chrF: beam width (default: the recipe's objective.num_beams)",
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        metavar="ALPHA",
+        help="translation: GNMT's alpha (default: the recipe's objective.length_penalty)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="translation: new tokens per sentence (default: the recipe's data.max_target_length)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, metavar="N", help="translation: sentences decoded together (default 32)"
+    )
+    p.add_argument(
+        "--task",
+        metavar="NAME",
+        help="a mixture run: only this task, with the single objective's "
+        "keys (default: every task, keyed <task>/<metric>)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text with a clm, span or seq2seq model",
+        description="Continue a prompt (decoder) or transform it (encoder-decoder). Samples with "
+        "temperature/top-k/top-p unless --greedy or --num-beams > 1.",
+    )
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", metavar="TEXT")
+    given.add_argument(
+        "--input",
+        metavar="FILE",
+        help="one input per line (or --column of a .jsonl/.csv/.tsv "
+        "file), streamed; one output per line, in input order",
+    )
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help='with --input: write here (default stdout; .jsonl: {"input", "output"} objects)',
+    )
+    p.add_argument(
+        "--column",
+        metavar="NAME",
+        help="with a .jsonl/.csv/.tsv --input: the column to read (default source, else text)",
+    )
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="inputs decoded together (default 32)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50, metavar="K", help="0 for no top-k filter")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--num-beams", type=int, default=1, metavar="N", help="beam search when > 1")
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=0.6,
+        metavar="ALPHA",
+        help="beam search: GNMT's alpha, scores divided by ((5 + length) / 6) ** ALPHA (default 0.6)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--bidirectional-prompt",
+        action="store_true",
+        help="a decoder reads the prompt bidirectionally, as a prefix (a mixture run that trained prefix_lm)",
+    )
+    p.add_argument(
+        "--mode-token",
+        metavar="TOKEN",
+        help="put this special token before every prompt, as a mixture's task did (e.g. [S2S] for UL2's S-denoiser)",
+    )
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "info",
+        help="parameters, training FLOPs and KV-cache size of a preset or recipe",
+        description="Parameters, training FLOPs per token and KV-cache bytes of a preset "
+        "(e.g. gpt2-small) or a recipe; nothing is built.",
+    )
+    p.add_argument("target", metavar="PRESET_OR_RECIPE")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "average",
+        help="average the model weights of a run's last N checkpoints",
+        description="Write the elementwise mean (float32) of the model weights of RUN_DIR's last N "
+        "checkpoints as a model directory that generate, evaluate, finetune and export read "
+        "(Vaswani et al. 2017 average the last 5). Sharded (FSDP) checkpoints work too.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("out", metavar="OUT_DIR", help="output model directory")
+    p.add_argument("--last", type=int, default=5, metavar="N", help="how many of the newest checkpoints (default 5)")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "export",
+        help="write a run's model as a transformers directory",
+        description="Write a run's language model as a directory transformers' from_pretrained loads "
+        "(BertForMaskedLM, GPT2LMHeadModel, T5ForConditionalGeneration, LlamaForCausalLM).",
+    )
+    p.add_argument("target", metavar="RUN_OR_CKPT")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--format", default="hf", choices=["hf"], help="output format (default: hf)")
+    p.add_argument("--debug", **DEBUG)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Each command imports what it needs when it runs: `--help` and `info` import neither
+    torch's heavy parts nor Lightning."""
+    if args.command in ("pretrain", "finetune", "prepare"):
+        from lit_transformer.recipe.load import load_recipe, to_yaml
+
+        cfg = load_recipe(args.recipe, args.overrides)
+        if args.print_config:
+            print(to_yaml(cfg), end="")
+            return 0
+        from lit_transformer.commands import train
+
+        if args.command == "prepare":
+            train.prepare(cfg)
+            return 0
+        metrics = train.finetune(cfg) if args.command == "finetune" else train.train(cfg)
+        print(json.dumps({"run_dir": cfg.run.dir, **metrics}))
+        return 0
+    if args.command == "info":
+        from lit_transformer.commands.info import format_info, info
+
+        out = info(args.target, args.overrides)
+        print(json.dumps(out) if args.json else format_info(out))
+        return 0
+    if args.command == "average":
+        from lit_transformer.commands.average import average
+
+        print(average(args.run_dir, args.out, args.last))
+        return 0
+    from lit_transformer.commands import inference
+
+    if args.command == "evaluate":
+        metrics = inference.evaluate(
+            args.target,
+            args.data,
+            max_batches=args.max_batches,
+            data_target=args.data_target,
+            num_beams=args.num_beams,
+            length_penalty=args.length_penalty,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            task=args.task,
+        )
+        if args.json:
+            print(json.dumps(metrics))
+        else:
+            for key, value in metrics.items():
+                print(f"{key:<24} {value:.4f}" if isinstance(value, float) else f"{key:<24} {value}")
+        return 0
+    if args.command == "generate":
+        decoding = dict(
+            max_new_tokens=args.max_new_tokens,
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            top_p=args.top_p,
+            num_beams=args.num_beams,
+            length_penalty=args.length_penalty,
+            seed=args.seed,
+            bidirectional_prompt=args.bidirectional_prompt,
+            mode_token=args.mode_token,
+        )
+        if args.input is not None:
+            inference.generate_file(
+                args.target, args.input, args.output, column=args.column, batch_size=args.batch_size, **decoding
+            )
+        else:
+            print(inference.generate(args.target, args.prompt, **decoding))
+        return 0
+    print(inference.export(args.target, args.out, args.format))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from lit_transformer.data.errors import DataError
+    from lit_transformer.errors import RecipeError, RunError
+    from lit_transformer.model.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (RecipeError, ConfigError, DataError, RunError) as error:
+        if args.debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
