@@ -1,6 +1,13 @@
 """Scaled dot-product attention (Vaswani et al. 2017, 3.2), multi-head with grouped or
 multi-query key/value heads, self- and cross-attention, and the KV cache for decoding.
 
+The kind of attention is a class, chosen when the model is built: `Attention` is softmax
+attention, linear_attention.LinearAttention overrides `self_attention` with the kernelised
+form. The cache kind dispatches through the cache (`KVCache.record` and `update`, overridden
+by RollingKVCache), so a layer's forward asks no object its type except the softmax mask: a
+dense bias or a masks.IntervalMask, which can differ from call to call (packed rows carry
+document ids).
+
 Shape legend: B batch, T query length, S key length, H query heads, K key/value heads,
 D head dim, C model width, L layers, M cache capacity.
 """
@@ -15,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_transformer.model.layers import RMSNorm
-from lit_transformer.model.linear_attention import LinearMask, LinearState, linear_attention
 from lit_transformer.model.masks import IntervalMask, masked_attention
 from lit_transformer.model.positions import apply_rope
 
@@ -146,6 +152,23 @@ class KVCache:
         self.length = 0  # tokens cached so far
         self.capacity = capacity
 
+    def record(self, new_mask: torch.Tensor, new_positions: torch.Tensor):
+        """Record T new tokens' padding mask and positions (B, T) after the cached ones; return
+        the key index (None: keys 0..S-1 in order), key mask (B, S) and key positions (B, S) that
+        the layers' attention will see, S = length + T."""
+        start, end = self.length, self.length + new_mask.shape[1]
+        self.key_mask[:, start:end] = new_mask
+        self.positions[:, start:end] = new_positions
+        return None, self.key_mask[:, :end], self.positions[:, :end]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' k, v (B, K, T, D) after the cached ones; return every cached
+        key and value of the layer, the new ones included: (B, K, S, D), S = length + T."""
+        start, end = self.length, self.length + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
     def reorder(self, index: torch.Tensor) -> None:
         """Keep batch rows `index` (beam search: the surviving beams' parents)."""
         self.keys = self.keys.index_select(1, index)
@@ -180,7 +203,7 @@ class RollingKVCache(KVCache):
         self.capacity = sys.maxsize  # tokens it can take; the memory is `window` slots
         self.window = window
 
-    def advance(self, new_mask: torch.Tensor, new_positions: torch.Tensor):
+    def record(self, new_mask: torch.Tensor, new_positions: torch.Tensor):
         """Record T new tokens' padding mask and positions (B, T); return the key index (S,),
         key mask (B, S) and key positions (B, S) the layers' attention will see, S = M or M + T."""
         T, start, M = new_mask.shape[1], self.length, self.window
@@ -202,7 +225,7 @@ class RollingKVCache(KVCache):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (B, K, T, D) into the ring; return the keys and values to attend over,
-        in the order `advance` returned their indices."""
+        in the order `record` returned their indices."""
         T, start, M = k.shape[2], self.length, self.window
         # in the cache's dtype, as KVCache's slice assignment stores them (under bf16 autocast,
         # e.g. BLEU decoding at validation, k and v are bf16 and the cache float32)
@@ -219,7 +242,8 @@ class RollingKVCache(KVCache):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with K <= H key/value heads (K = H: MHA, K = 1: MQA, else GQA)."""
+    """Multi-head softmax attention with K <= H key/value heads (K = H: MHA, K = 1: MQA, else
+    GQA). A subclass changes how self-attention attends by overriding `self_attention`."""
 
     def __init__(
         self,
@@ -272,41 +296,32 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q = _normed(self.q_norm, q)
             k, v = self._cross_keys_values(memory, cache, layer)
+            out = self.softmax_attention(q, k, v, bias, is_causal=is_causal)  # (B, H, T, D)
         else:
             q, k, v = self._project_qkv(x)
             if self.q_norm is not None:
                 q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            if isinstance(bias, LinearMask):  # recurrent state instead of a KV cache
-                state = cache if isinstance(cache, LinearState) else None
-                out = linear_attention(q, k, v, bias, state, layer)  # (B, H, T, D)
-                return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-            if isinstance(cache, RollingKVCache):
-                k, v = cache.update(layer, k, v)  # (B, K, S, D), S = keys the mask indexes
-            elif cache is not None:
-                start, end = cache.length, cache.length + T
-                cache.keys[layer, :, :, start:end] = k
-                cache.values[layer, :, :, start:end] = v
-                k, v = cache.keys[layer, :, :, :end], cache.values[layer, :, :, :end]  # (B, K, S, D)
-        dropout = self.dropout if self.training else 0.0
-        if isinstance(bias, IntervalMask):  # sliding window, global tokens, documents
-            if self.impl == "sdpa":
-                out = masked_attention(q, k, v, bias, scale=self.scale, dropout=dropout)
-            else:
-                out = attend(
-                    q,
-                    k,
-                    v,
-                    bias.dense_bias(torch.float32),
-                    is_causal=False,
-                    scale=self.scale,
-                    dropout=dropout,
-                    impl=self.impl,
-                )
-        else:
-            out = attend(q, k, v, bias, is_causal=is_causal, scale=self.scale, dropout=dropout, impl=self.impl)
+            out = self.self_attention(q, k, v, bias, is_causal=is_causal, cache=cache, layer=layer)
         return self.o(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, C)
+
+    def self_attention(self, q, k, v, mask, *, is_causal: bool, cache, layer: int) -> torch.Tensor:
+        """q (B, H, T, D), k and v (B, K, T, D) of the new tokens -> (B, H, T, D): their keys and
+        values join the cache's (the cache's class decides where), then softmax attention."""
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, K, S, D), S = keys the mask indexes
+        return self.softmax_attention(q, k, v, mask, is_causal=is_causal)
+
+    def softmax_attention(self, q, k, v, mask, *, is_causal: bool) -> torch.Tensor:
+        """q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D); `mask` an additive bias, None or
+        a masks.IntervalMask."""
+        dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, IntervalMask):  # sliding window, global tokens, documents
+            if self.impl == "sdpa":
+                return masked_attention(q, k, v, mask, scale=self.scale, dropout=dropout)
+            mask, is_causal = mask.dense_bias(torch.float32), False  # the math path's reference
+        return attend(q, k, v, mask, is_causal=is_causal, scale=self.scale, dropout=dropout, impl=self.impl)
 
     def _project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, H, T, D), k and v (B, K, T, D); see `_stacked_linear` for when one product."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lit_transformer.model.attention import Attention
+
 # Numerator and denominator are both sums of positive terms; EPS only guards a query with no
 # visible key (a padding row), whose output is then 0 rather than NaN.
 EPS = 1e-6
@@ -91,6 +93,15 @@ def linear_attention(
     if state is not None:
         state.state[layer], state.normalizer[layer] = S, z
     return out.to(q.dtype)
+
+
+class LinearAttention(Attention):
+    """Attention whose self-attention is linear (the module docstring); chosen at construction
+    for model.attention_kind='linear'. Its mask is a LinearMask and its cache a LinearState (or
+    None); cross-attention stays softmax attention over the encoder output."""
+
+    def self_attention(self, q, k, v, mask: LinearMask, *, is_causal: bool, cache: LinearState | None, layer: int):
+        return linear_attention(q, k, v, mask, cache, layer)  # (B, H, T, E)
 
 
 def causal_chunked(fq, fk, v, S0=None, z0=None, chunk: int = CHUNK):

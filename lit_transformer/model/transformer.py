@@ -14,13 +14,14 @@ from torch import nn
 from lit_transformer.model.attention import Attention, KVCache, RollingKVCache, compute_dtype, masked_value
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.layers import FeedForward, make_norm
-from lit_transformer.model.linear_attention import LinearMask, LinearState
+from lit_transformer.model.linear_attention import LinearAttention, LinearMask, LinearState
 from lit_transformer.model.masks import document_positions, flex_block_mask, interval_mask
 from lit_transformer.model.positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
 
 
-def _attention(cfg: TransformerConfig) -> Attention:
-    return Attention(
+def _attention(cfg: TransformerConfig, kind: str) -> Attention:
+    """kind: model.attention_kind for self-attention; cross-attention is always softmax."""
+    return (LinearAttention if kind == "linear" else Attention)(
         cfg.d_model,
         cfg.n_heads,
         cfg.kv_heads,
@@ -86,9 +87,9 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig, cross: bool):
         super().__init__()
         self.pre_norm = cfg.norm_position == "pre"
-        self.attn = _attention(cfg)
+        self.attn = _attention(cfg, cfg.attention_kind)
         self.norm1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.cross_attn = _attention(cfg) if cross else None
+        self.cross_attn = _attention(cfg, "softmax") if cross else None
         self.norm_cross = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cross else None
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, bias=cfg.bias, gated=cfg.gated)
         self.norm2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
@@ -244,12 +245,9 @@ class Stack(nn.Module):
         q_index = torch.arange(past, past + T, device=device)  # (T,) the queries' key indices
         new_mask = attention_mask.bool() if attention_mask is not None else None
         key_index = None
-        if isinstance(cache, RollingKVCache):
+        if cache is not None:  # a rolling cache's keys are its ring (key_index), a plain one's 0..S-1
             new_mask = new_mask if new_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
-            key_index, key_mask, k_positions = cache.advance(new_mask, q_positions)  # (S,), (B, S), (B, S)
-        elif cache is not None:
-            _, _, k_positions = self._self_bias(attention_mask, q_positions, cache, dtype)  # records the mask
-            key_mask = cache.key_mask[:, : past + T]
+            key_index, key_mask, k_positions = cache.record(new_mask, q_positions)  # (S,) or None, (B, S), (B, S)
         else:
             key_mask = None if _all_true(attention_mask, cache) else new_mask
             k_positions = q_positions
@@ -287,9 +285,7 @@ class Stack(nn.Module):
                 if attention_mask is not None
                 else torch.ones(B, T, dtype=torch.bool, device=q_positions.device)
             )
-            cache.key_mask[:, past : past + T] = mask
-            cache.positions[:, past : past + T] = q_positions
-            key_mask, k_positions = cache.key_mask[:, : past + T], cache.positions[:, : past + T]  # (B, S)
+            _, key_mask, k_positions = cache.record(mask, q_positions)  # (B, S) each
         else:
             past = 0
             key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
