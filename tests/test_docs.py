@@ -1,0 +1,90 @@
+"""The docs cannot drift from the code: recipe keys and links.
+
+docs/recipe-keys.md documents a key by writing it in backticks in the first column of a table
+row (several keys may share a row); exactly those rows are parsed. A mixture task's keys are
+written `tasks[].KEY`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from lit_transformer.recipe import schema
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+KEYS_PAGE = DOCS / "recipe-keys.md"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def documented_keys(text: str) -> list[str]:
+    """The backticked names in the first cell of every table row whose first cell starts with one."""
+    keys = []
+    for line in text.splitlines():
+        cells = line.strip().split("|")
+        if len(cells) < 3 or not line.strip().startswith("|"):
+            continue
+        first = cells[1].strip()
+        if first.startswith("`"):
+            keys.extend(re.findall(r"`([^`]+)`", first))
+    return keys
+
+
+def schema_keys() -> set[str]:
+    task_keys = {f"tasks[].{schema.to_public(f.name)}" for f in dataclasses.fields(schema.TaskConfig)}
+    return set(schema.all_keys()) | task_keys
+
+
+def test_every_schema_key_is_documented_and_every_documented_key_exists():
+    documented = documented_keys(KEYS_PAGE.read_text(encoding="utf-8"))
+    expected = schema_keys()
+    missing = sorted(expected - set(documented))
+    unknown = sorted(set(documented) - expected)
+    twice = sorted({key for key in documented if documented.count(key) > 1})
+    assert not missing, f"schema keys not documented in docs/recipe-keys.md: {missing}"
+    assert not unknown, f"keys in docs/recipe-keys.md that the schema does not have: {unknown}"
+    assert not twice, f"keys documented in more than one row of docs/recipe-keys.md: {twice}"
+
+
+def test_the_key_parser_reads_first_cells_only():
+    text = "| `a.b`, `a.c` | `x.y` |\n|---|---|\n| key | `d.e` |\nprose `f.g`\n"
+    assert documented_keys(text) == ["a.b", "a.c"]
+
+
+def pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = {Path(t.split("#")[0]).as_posix() for t in LINK.findall(readme)}
+    unlinked = [p.name for p in pages() if f"docs/{p.name}" not in targets]
+    assert not unlinked, f"docs pages not linked from README.md: {unlinked}"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    found, fence = set(), False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        fence ^= line.startswith("```")
+        if not fence and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def test_every_relative_link_points_to_an_existing_file_and_heading():
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *pages()]:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+:", target):
+                continue  # a URL
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path) if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, f"broken relative links: {broken}"
