@@ -1,5 +1,5 @@
 """Attention's cost against sequence length: full (softmax) attention, a sliding window, and
-linear attention (README "Efficient attention"). The seed papers' claims, measured here: full
+linear attention (docs/efficient-attention.md). The seed papers' claims, measured here: full
 attention's time grows as T^2 (Vaswani et al. 2017, Table 1); a window of w makes it T w
 (Beltagy et al. 2020); linear attention makes it T D^2 and decoding O(1) per token
 (Katharopoulos et al. 2020). Memory: SDPA's fused causal kernel already keeps full attention's

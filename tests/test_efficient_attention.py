@@ -1,4 +1,4 @@
-"""Efficient attention (README "Efficient attention"): sliding windows, global tokens, document
+"""Efficient attention (docs/efficient-attention.md): sliding windows, global tokens, document
 masks for packed rows, linear attention, and their decoding states, each against an explicit
 reference; Mistral parity for the causal window."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import V, tiny_config
+from helpers import V, seeded_model, tiny_config
 
 from lit_transformer.data.collate import CLMCollator, MLMCollator, document_ids, positions_in_documents
 from lit_transformer.data.tokenizer import SpecialTokens
@@ -24,11 +24,6 @@ from lit_transformer.model.linear_attention import (
 from lit_transformer.model.masks import chunked_attention, document_bounds, flex_block_mask, interval_mask
 
 POSITIONS = ["rope", "learned", "sinusoidal", "alibi", "t5_relative"]
-
-
-def model(cfg, seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)
-    return LanguageModel.from_config(cfg).eval()
 
 
 def same_weights(cfg, reference: LanguageModel) -> LanguageModel:
@@ -71,7 +66,7 @@ def reference_attention(q, k, v, keep, scale):
 @pytest.mark.parametrize("position", POSITIONS)
 def test_a_window_as_long_as_the_sequence_is_full_attention(arch, position):
     cfg = tiny_config(arch, position=position)
-    full = model(cfg)
+    full = seeded_model(cfg)
     windowed = same_weights(cfg.replace(sliding_window=11), full)
     ids = torch.randint(0, V, (3, 11))
     extra = {"decoder_input_ids": ids[:, :7]} if arch == "encoder_decoder" else {}
@@ -83,7 +78,7 @@ def test_a_window_as_long_as_the_sequence_is_full_attention(arch, position):
 def test_a_window_equals_the_explicit_banded_mask(causal, impl):
     arch = "decoder" if causal else "encoder"
     cfg = tiny_config(arch, position="none", attention_impl="math")
-    reference = model(cfg)
+    reference = seeded_model(cfg)
     windowed = same_weights(cfg.replace(sliding_window=3, attention_impl=impl), reference)
     ids = torch.randint(0, V, (3, 13))
     keep = banded_reference(13, 3, causal)
@@ -133,7 +128,7 @@ def test_the_flex_block_mask_is_the_same_mask():
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_rolling_cache_generation_equals_recomputation(position, kv_heads):
     cfg = tiny_config(position=position, sliding_window=4, n_kv_heads=kv_heads, max_seq_len=40)
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     ids = torch.randint(0, V, (3, 9))
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[0, :3] = 0  # a left-padded prompt longer than the window
@@ -146,7 +141,7 @@ def test_rolling_cache_generation_equals_recomputation(position, kv_heads):
 
 def test_the_rolling_cache_stays_at_w_entries_while_decoding():
     cfg = tiny_config(sliding_window=5, max_seq_len=64)
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     cache = lm.transformer.new_cache(2, capacity=64)
     ids = torch.randint(0, V, (2, 60))
     shape = cache.keys.shape
@@ -164,7 +159,7 @@ def test_the_rolling_cache_stays_at_w_entries_while_decoding():
 
 def test_global_tokens_equal_the_explicit_mask():
     cfg = tiny_config("encoder", position="learned", attention_impl="math")
-    reference = model(cfg)
+    reference = seeded_model(cfg)
     local = same_weights(cfg.replace(sliding_window=2, global_tokens=3), reference)
     ids = torch.randint(0, V, (3, 15))
     bias = torch.zeros(15, 15).masked_fill(~banded_reference(15, 2, False, 3), float("-inf"))
@@ -184,7 +179,7 @@ def test_global_tokens_equal_the_explicit_mask():
 @pytest.mark.parametrize("position", POSITIONS)
 def test_every_packed_document_gets_the_logits_it_gets_alone(arch, position):
     cfg = tiny_config(arch, position=position)
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     lengths = [4, 7, 1, 5]
     ids = torch.randint(0, V, (2, sum(lengths)))
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).expand(2, -1)
@@ -198,7 +193,7 @@ def test_every_packed_document_gets_the_logits_it_gets_alone(arch, position):
 
 def test_document_masks_combine_with_a_window_and_padding():
     cfg = tiny_config(sliding_window=3)
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     ids = torch.randint(0, V, (1, 12))
     doc = torch.tensor([[0] * 5 + [1] * 7])
     mask = torch.ones(1, 12, dtype=torch.long)
@@ -271,7 +266,7 @@ def test_linear_attention_parallel_recurrent_and_explicit_agree(causal):
 @pytest.mark.parametrize("position", ["rope", "learned", "none"])
 def test_linear_generation_with_the_recurrent_state_equals_recomputation(position):
     cfg = tiny_config(position=position, attention_kind="linear", n_kv_heads=1, max_seq_len=40)
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     ids = torch.randint(0, V, (3, 6))
     mask = torch.ones(3, 6, dtype=torch.long)
     mask[1, :2] = 0
@@ -283,7 +278,7 @@ def test_linear_generation_with_the_recurrent_state_equals_recomputation(positio
 
 def test_a_linear_encoder_ignores_padding():
     cfg = tiny_config("encoder", attention_kind="linear")
-    lm = model(cfg)
+    lm = seeded_model(cfg)
     ids = torch.randint(0, V, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[0, 6:] = 0

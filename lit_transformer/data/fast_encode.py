@@ -1,13 +1,15 @@
 """Exact shortcut for packing with the trained byte-level BPE: split with `re`, encode each word once.
 
-`encode_batch_fast` spends about 1.2 us per word on pre-tokenizer and offset bookkeeping
-(measured on WikiText-2, 8k BPE), which caps it near 3.5 MB per CPU-second. For the tokenizer
-`train_tokenizer` builds with kind "bpe", a document's ids are the concatenation of the ids of
-its words, the words being the matches of `BYTE_LEVEL_PATTERN`, which Python's `re` finds
-exactly as the Oniguruma engine inside `tokenizers` does (tokenizer.py explains the pattern).
+`encode_batch_fast` spends most of its time per word on pre-tokenizer and offset bookkeeping,
+which caps its packing throughput (the figures: docs/defaults.md, "The byte-level BPE word-cache
+shortcut"). For the tokenizer `train_tokenizer` builds with kind "bpe", a document's ids are the
+concatenation of the ids of its words, the words being the matches of `BYTE_LEVEL_PATTERN`,
+which Python's `re` finds exactly as the Oniguruma engine inside `tokenizers` does (tokenizer.py
+explains the pattern).
 So `WordEncoder` splits documents with `re.findall`, maps each word to a row of a word table
 (a dict), has the tokenizer itself encode only the words it has not seen, and gathers the ids
-from a flat token table with numpy: about 2x the throughput (pack.py gives the numbers).
+from a flat token table with numpy, at a higher throughput (`python benchmarks/data_prep.py`
+measures it; docs/defaults.md has the figures).
 
 Exactness rests on these, none of them guessed:
 - `WordEncoder.create` compares the serialised tokenizer with the expected shape (BPE without
@@ -17,7 +19,7 @@ Exactness rests on these, none of them guessed:
   goes through `encode_batch_fast` whole. Special tokens are not cut out when
   `encode_special_tokens` is on (as on every tokenizer tokenizer.py builds or loads), so then
   only non-special added tokens are looked for: 4062 of WikiText-2's 5352 documents spell
-  "<unk>" and stay on the shortcut. (The search costs ~1 ms per MB.)
+  "<unk>" and stay on the shortcut. (The search is cheap next to encoding.)
 - A word is encoded by the full pipeline, which splits it again: were `re` to split coarser
   than Oniguruma the ids would still be exact; only a finer split could differ, and
   tests/test_data_fast_encode.py checks every code point, and `tokenizer.encode` parity on
@@ -37,9 +39,9 @@ from tokenizers import Tokenizer, models
 from lit_transformer.data.tokenizer import BYTE_LEVEL_PATTERN, byte_level_pre_tokenizer
 
 # The word table is cleared past this many words, so memory stays flat on endless streams.
-# Measured worst case (every word new: 531k random 4-9 letter words): 520 bytes of RSS a word
-# (the str, its dict slot and row number, its ids, the arrays' doubling slack, batch buffers),
-# i.e. ~140 MB at the limit, next to the Rust BPE cache of pack.BPE_CACHE_WORDS. Words are
+# Each word costs its str, its dict slot and row number, its ids, the arrays' doubling slack and
+# batch buffers; the limit bounds that, beside the Rust BPE cache of pack.BPE_CACHE_WORDS (the
+# measured worst case: docs/defaults.md, "The byte-level BPE word-cache shortcut"). Words are
 # Zipf-distributed (WikiText-2: 18k distinct in 2.4 MB), so after a clear the frequent ones are
 # back within a batch and the table rarely refills.
 MAX_WORDS = 1 << 18
@@ -97,8 +99,7 @@ class WordEncoder:
         # longest first, so that an alternation never stops at a shorter token's prefix
         guard = re.compile("|".join(map(re.escape, sorted(set(cut), key=len, reverse=True)))) if cut else None
         # A copy with the library's default 10k-word BPE cache: the word table is the cache here,
-        # and pack.fast_copy's 1M-word one would only double the memory (measured: +280 MB
-        # RSS for 400k distinct words).
+        # and pack.fast_copy's 1M-word one would only double the memory (docs/defaults.md).
         own = Tokenizer.from_str(text)
         own.encode_special_tokens = encoder.encode_special_tokens
         return cls(own, separator_id, guard)
@@ -113,9 +114,9 @@ class WordEncoder:
     def _add(self, words: list[str]) -> None:
         # The words go in as pre-tokenized sequences of ENCODE_CHUNK words: the tokenizer runs
         # its whole pipeline on each word alone, as it would on a document made of that word,
-        # and `word_ids` tells which word each id comes from. Half the CPU time of one
-        # `encode_batch_fast` item per word (measured: 0.11-0.15 s against 0.29-0.30 s for
-        # WikiText-2's 18k distinct words), whose cost is mostly per item, not per id.
+        # and `word_ids` tells which word each id comes from. Less CPU time than one
+        # `encode_batch_fast` item per word, whose cost is mostly per item, not per id
+        # (docs/defaults.md, "The byte-level BPE word-cache shortcut").
         chunks = [words[i : i + ENCODE_CHUNK] for i in range(0, len(words), ENCODE_CHUNK)]
         encodings = self.encoder.encode_batch(chunks, is_pretokenized=True, add_special_tokens=False)
         tokens = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int64)

@@ -13,7 +13,7 @@ The only text dropped is the final partial block (< one stride), reported as `dr
 
 Tokenization works on batches of about 1 MB of text. The byte-level BPE that tokenizer.py
 trains takes fast_encode.py's word-cache shortcut (the same ids, split by Python's `re`, each
-distinct word encoded once), about twice the throughput of `encode_batch_fast`. Every other
+distinct word encoded once), at a higher throughput than `encode_batch_fast`. Every other
 tokenizer uses `encode_batch_fast`, which runs the batch on all cores and skips offset
 computation, faster than `datasets.map(batched=True)` (Arrow round trips and pickling cost more
 than a second process brings). BPE models get a 1M-word cache there: the library default of
@@ -63,9 +63,9 @@ BPE_CACHE_WORDS = 1 << 20
 # num_proc=None packs this much text (characters, as BATCH_BYTES counts) in this process before
 # starting the pool: 4x the measured break-even (module docstring), decided without reading ahead.
 SWITCH_CHARS = 16 << 20
-MAX_AUTO_PROC = 8  # 8 workers at 7-11 MB/s outrun the parent's ~80 MB/s (module docstring)
+MAX_AUTO_PROC = 8  # past this, the parent's own share is the limit (docs/defaults.md, "Packing in processes")
 IN_FLIGHT_PER_WORKER = 2  # batches submitted and not yet written, per worker: keeps each busy, memory flat
-# "fork" on Linux: children start in ~40 ms sharing the parent's pages and import nothing (they use
+# "fork" on Linux: children start quickly sharing the parent's pages and import nothing (they use
 # only tokenizers and numpy, never torch). "spawn" elsewhere: macOS forks unsafely once threads
 # exist; a spawned child imports the package (torch included, seconds) before its first batch.
 START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
@@ -117,8 +117,8 @@ def batch_encoder(
     encoder: Tokenizer, separator_id: int, *, own_copy: bool = False
 ) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
     """The function that packs one text batch: fast_encode.py's exact shortcut for the trained
-    byte-level BPE (same ids, about 2x faster), else `encode_batch_fast`. `own_copy`: `encoder`
-    is a fresh copy, which gets `fast_copy`'s large BPE cache here, only when it is used (25 ms)."""
+    byte-level BPE (same ids, faster), else `encode_batch_fast`. `own_copy`: `encoder` is a fresh
+    copy, which gets `fast_copy`'s large BPE cache here, only when it is used (building it costs)."""
     words = WordEncoder.create(encoder, separator_id)
     if words is not None:
         return words.encode
@@ -299,8 +299,8 @@ def _forking():
     """Around the fork: TOKENIZERS_PARALLELISM / RAYON_NUM_THREADS set, so that tokenizers' fork
     handler sees them configured in the children, and the parent's objects frozen out of the
     garbage collector (the `gc.freeze` docs): a child's collections then skip the inherited heap
-    (torch, lightning: ~400 MB) instead of touching, and so copying, its pages. Measured: ~13% less
-    CPU in the workers (19 MB, 2 workers: 1.9 s against 2.2 s, mean of 6). Restored afterwards."""
+    (torch, lightning: ~400 MB) instead of touching, and so copying, its pages, which saves the
+    workers CPU time (docs/defaults.md, "Packing in processes"). Restored afterwards."""
     saved = {k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")}
     os.environ.update(TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
     gc.freeze()

@@ -72,7 +72,7 @@ def resolve_tokenizer(
     data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: dict[str, SplitSource], *, build: bool
 ) -> tuple[Tokenizer, str, str]:
     """(tokenizer, where it came from, the sha256 of its tokenizer.json file: the token caches'
-    key; hashing the file is ~10x cheaper than serialising the loaded tokenizer again)."""
+    key; hashing the file is cheaper than serialising the loaded tokenizer again: docs/defaults.md)."""
     if tok_cfg.path:
         path = Path(tok_cfg.path)
         return load_tokenizer(path), str(path), _file_hash(path / "tokenizer.json" if path.is_dir() else path)

@@ -83,7 +83,8 @@ class SpanCorruptionCollator:
     def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
         inputs, targets = [], []
         for ex, gen in zip(examples, per_example(generators, len(examples))):
-            # numpy is ~50x faster than torch on these tiny per-example arrays; one draw from the
+            # numpy: torch's per-call overhead dominates on these tiny per-example arrays
+            # (docs/defaults.md, "Span corruption's noise in numpy"); one draw from the
             # example's torch generator seeds it, so the row stays a function of that generator
             rng = np.random.default_rng(int(torch.randint(2**62, (1,), generator=gen)))
             tokens = np.asarray(ex, dtype=np.int64)

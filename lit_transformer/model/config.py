@@ -67,7 +67,7 @@ class TransformerConfig:
     # sdpa: torch's fused kernels (flash / memory-efficient where available); math: the
     # explicit softmax(QK^T)V reference the tests compare against.
     attention_impl: AttentionImpl = "sdpa"
-    # Efficient attention (README "Efficient attention"). sliding_window w: a causal query sees
+    # Efficient attention (docs/efficient-attention.md). sliding_window w: a causal query sees
     # itself and the w - 1 tokens before it (Mistral), a bidirectional one w tokens on each side
     # (Longformer's local attention); generation keeps a rolling cache of w entries.
     sliding_window: int | None = None

@@ -31,9 +31,8 @@ CHUNK_ROWS = 2048  # (R, V) logits in the compute dtype: 200 MB in bf16 at V = 5
 # The float32 work on the logits (log-softmax, exp, mask) runs on pieces of at most this many
 # bytes, written back as the gradient into the chunk's own logits buffer. A piece stays in the
 # cache, and glibc's malloc serves such a block from memory it keeps, where the (R, V) float32
-# copies of a whole chunk (400 MB at GPT-2's vocabulary) came freshly mapped on every step:
-# at N = 1,024, V = 50,257 (benchmarks/run.py --quick's GPT-2, bf16) forward and backward took
-# 651 ms with 302,000 page faults, 465 ms with 106,000 in pieces.
+# copies of a whole chunk (400 MB at GPT-2's vocabulary) came freshly mapped, and page-faulted
+# in, on every step (the measurement: docs/defaults.md, "Fused loss").
 PIECE_BYTES = 8 << 20
 
 

@@ -117,8 +117,8 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
 def default_precision(objective_default: str, accelerator: str) -> str:
     """trainer.precision when a recipe leaves it null: the objective's default (registry.py),
     except that a bf16 default becomes 32-true on a CPU-only run whose CPU has no bf16 matrix
-    instructions (AMX, AVX512-BF16). There bf16 is emulated: a tiny-clm step with an 8k
-    vocabulary ran 15x slower in bf16-mixed than in float32 on an AVX2-only EPYC."""
+    instructions (AMX, AVX512-BF16). There bf16 is emulated, and a step runs many times slower
+    than in float32 (docs/defaults.md, "float32 on CPUs without bf16 matrix instructions")."""
     if not objective_default.startswith("bf16") or accelerator in ("gpu", "cuda", "mps"):
         return objective_default
     if accelerator == "auto" and _has_nvidia_gpu():

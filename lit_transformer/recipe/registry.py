@@ -48,9 +48,9 @@ class ObjectiveSpec:
 SPECS: dict[str, ObjectiveSpec] = {
     spec.name: spec
     for spec in (
-        # bf16 autocast (config.default_precision keeps float32 on CPUs that would emulate it): after
-        # 300 steps tiny-clm reached 2.1182 bits/byte in float32 and in bf16-mixed alike, tiny-mlm
-        # 2.466 and 2.466, at 1.9x and 2.1x the tokens/s (AVX512-BF16 EPYC, 1 thread)
+        # bf16 autocast (recipe.load.default_precision keeps float32 on CPUs that would emulate it):
+        # the same loss per step as float32 at a higher tokens/s (docs/defaults.md, "Default
+        # precision")
         ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="bf16-mixed"),
         ObjectiveSpec(
             "clm", ("decoder",), "clm", ("block_size",), prompt="continue", lm_head=True, precision="bf16-mixed"
@@ -67,7 +67,7 @@ SPECS: dict[str, ObjectiveSpec] = {
             precision="bf16-mixed",
         ),
         # translation: bf16 autocast gave the same validation loss per step as float32 on Tatoeba
-        # (3.68 against 3.73 nats after 1,200 steps) at 2.1x the tokens/s on an AVX512-BF16 CPU
+        # at a higher tokens/s (docs/defaults.md, "Default precision")
         ObjectiveSpec(
             "seq2seq",
             ("encoder_decoder",),

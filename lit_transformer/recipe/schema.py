@@ -180,8 +180,8 @@ class TrainerConfig:
     # refuse at start-up a run whose ranks need more memory than the machine has (training/preflight.py)
     check_memory: bool = True
     # glibc's malloc keeps the memory each step frees for the next one instead of unmapping it
-    # and page-faulting it back in (training.keep_freed_memory): 1.08-1.17x the tokens/s of small
-    # models on CPU, at 20-30% more resident memory. false: glibc's defaults
+    # and page-faulting it back in (training.keep_freed_memory): faster CPU steps for more resident
+    # memory (docs/defaults.md, "trainer.keep_freed_memory"). false: glibc's defaults
     keep_freed_memory: bool = True
 
     def __post_init__(self):
