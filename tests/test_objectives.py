@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from helpers import tiny_config
 from torch.utils.data import DataLoader
 
 from lit_transformer.model import LanguageModel, TransformerConfig
@@ -298,6 +298,18 @@ def test_validation_loss_is_a_token_average_not_a_mean_of_batch_means():
     assert abs(batch_means - token_average) > 1e-3  # the distinction is real for these batches
 
 
+def test_only_a_loss_over_the_text_in_order_reports_bits_per_byte():
+    """bpb = loss / ln 2 / bytes per token holds only when the loss covers every token of the
+    text, predicted in order: a masked or span loss covers the corrupted tokens alone."""
+    causal = evaluate_batches(CausalLM(tiny("decoder"), bytes_per_token=3.5), [clm_batch()])
+    masked = evaluate_batches(MaskedLM(tiny("encoder"), bytes_per_token=3.5), [mlm_batch()])
+    span = Seq2SeqLM(tiny("encoder_decoder"), task="span", bytes_per_token=3.5)
+    spans = evaluate_batches(span, [seq2seq_batch()])
+    assert causal["bpb"] == pytest.approx(causal["loss"] / math.log(2) / 3.5)
+    assert "bpb" not in masked and "masked_accuracy" in masked
+    assert "bpb" not in spans and "token_accuracy" in spans
+
+
 def test_corpus_bleu_from_summed_statistics_equals_sacrebleu():
     import sacrebleu
 
@@ -311,7 +323,7 @@ def test_corpus_bleu_from_summed_statistics_equals_sacrebleu():
 
 def test_peak_flops_table_and_config_errors():
     from lit_transformer.errors import RecipeError
-    from lit_transformer.objectives.metrics import peak_flops_for
+    from lit_transformer.training.throughput import peak_flops_for
 
     assert peak_flops_for("NVIDIA H100 80GB HBM3", "bf16-mixed") == 989.4e12
     assert peak_flops_for("NVIDIA H100 PCIe", "16-mixed") == 756e12

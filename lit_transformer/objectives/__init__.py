@@ -31,8 +31,9 @@ def evaluate_batches(
 ) -> dict[str, float]:
     """Run an objective's validation metrics over batches without a Trainer (single process).
 
-    Returns the same names the objective logs under val/: loss, ppl and bpb (language models,
-    bpb only with bytes_per_token), masked_accuracy (MaskedLM), token_accuracy and bleu
+    Returns the same names the objective logs under val/: loss, ppl and bpb (language models;
+    bpb only where the loss predicts the text in order, `reports_bits_per_byte`, and with
+    bytes_per_token), masked_accuracy (MaskedLM), token_accuracy and bleu
     (Seq2SeqLM), accuracy, macro_f1, micro_f1, mse, pearson (SequenceClassifier, by problem).
     """
     was_training = module.training

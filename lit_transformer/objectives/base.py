@@ -1,27 +1,25 @@
 """ObjectiveBase: what every training objective shares. The subclasses own their modules,
 losses and metrics; this class owns the optimizer and schedule, the per-step training
-metrics (loss, perplexity, learning rate, gradient norm, throughput, MFU), the non-finite
-loss guard, the evaluation plumbing (validation, test and `evaluate_batches`) and the FSDP2
-hook.
+metrics (loss, perplexity, learning rate, gradient norm), the non-finite loss guard, the
+evaluation plumbing (validation, test and `evaluate_batches`) and the FSDP2 hook. Throughput
+and MFU (train/tokens_per_s, train/mfu) are measured by training.throughput.Throughput, which
+`configure_callbacks` attaches to every Trainer: each training step hands it a StepWork, and
+`flops_config` says which configuration's FLOPs a step spends.
 
 Training metrics, logged with `self.log` at every step (the Trainer's log_every_n_steps
-decides what reaches the logger), except tokens_per_s and mfu, computed on logging steps only:
+decides what reaches the logger):
   train/loss, train/ppl   the minimised loss (label-smoothed if asked) and exp(plain NLL)
   train/lr                the first parameter group's learning rate for this step
   train/grad_norm         total 2-norm of all gradients, BEFORE clipping: Lightning calls
                           on_before_optimizer_step and then clips (Precision._after_closure in
                           lightning 2.6), and with a GradScaler the gradients are already unscaled
-  train/tokens_per_s      non-pad tokens per second summed over ranks, averaged over the
-                          window since the last logging step (wall clock, CUDA synchronised once
-                          per window, not per step)
-  train/mfu               model FLOPs per second / peak FLOP/s of all devices (Chowdhery et al.
-                          2022, PaLM, 4.1 and appendix B), FLOPs from model.accounting; only
-                          when the peak is known (PEAK_FLOPS on a GPU, or `peak_flops`)
   train/skipped_steps     how many optimizer steps the non-finite guard has skipped so far
 
 Validation and test (`val/...`, `test/...`) and `evaluate_batches` share one path per objective
 (`eval_update` per batch, `eval_compute` at the end): losses are the plain NLL (no label
-smoothing) summed over tokens and divided by the token count over all batches and ranks.
+smoothing) summed over tokens and divided by the token count over all batches and ranks;
+bpb (bits per byte of the text) only where the loss predicts the text in order
+(`reports_bits_per_byte`), with the evaluated split's bytes per token.
 
 The non-finite guard costs one host-device sync per step (`skip_nonfinite=False` removes it).
 
@@ -38,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, TypedDict, Unpack
 
 import lightning as L
@@ -48,12 +45,13 @@ from torch import nn
 from lit_transformer.data.module import TextDataModule
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.objectives.metrics import bits_per_byte, peak_flops_for
+from lit_transformer.objectives.metrics import bits_per_byte
 from lit_transformer.objectives.optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 from lit_transformer.training.checkpoints import MODEL_CONFIG_KEY, OBJECTIVE_KEY
 from lit_transformer.training.distributed import prepare_blocks, total_norm
+from lit_transformer.training.throughput import StepWork, Throughput
 
 
 def as_model_config(value: TransformerConfig | dict) -> TransformerConfig:
@@ -99,12 +97,6 @@ OPTION_DEFAULTS: dict[str, Any] = {
 }
 
 
-def non_pad_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.tensor(float(input_ids.numel()), device=input_ids.device)
-    return attention_mask.sum().float()
-
-
 class ObjectiveBase(L.LightningModule):
     """Subclasses call `super().__init__(...)`, build their modules and torchmetrics in
     `self.eval_metrics` (an nn.ModuleDict), and implement `training_step` (ending in
@@ -147,13 +139,14 @@ class ObjectiveBase(L.LightningModule):
         self.train_clock = TrainingClock()
         self.skipped_steps = 0
         self.eval_metrics = nn.ModuleDict()
-        self._flops_cache: dict[tuple[int, int | None], tuple[float, float]] = {}
-        self._window_start: float | None = None
-        self._window: torch.Tensor | None = None  # (tokens, model FLOPs) since the window start
-        self._window_step = 0
+        self.step_work: StepWork | None = None  # this batch's work, taken by the Throughput callback
 
     # ------------------------------------------------------------------ building and loading
     objective_names: tuple[str, ...] = ()  # set by registry.implements
+    # Whether the eval loss is the NLL of every token of the text predicted in order, so that
+    # loss / ln 2 / bytes per token is the text's bits per byte (bpb). A masked or span loss
+    # covers only the corrupted tokens, each seen with the rest of the text: no bpb.
+    reports_bits_per_byte: bool = False
 
     @property
     def objective_name(self) -> str | None:
@@ -217,12 +210,21 @@ class ObjectiveBase(L.LightningModule):
         """The module around a finished run's saved model (and head), for evaluation."""
         return cls.from_recipe(name, cfg, lm, data)
 
-    def evaluation_streams(self, data: Any, task: str | None = None) -> list[tuple[str, Any]]:
-        """(metric-name prefix, validation batches) pairs that `evaluate` runs; one objective has
-        one stream. `task` selects one task of a mixture (a single objective has none)."""
+    def evaluation_streams(
+        self, data: Any, task: str | None = None, split: str = "validation"
+    ) -> list[tuple[str, Any]]:
+        """(metric-name prefix, batches of `split`: validation or test) pairs that `evaluate`
+        runs; one objective has one stream. `task` selects one task of a mixture (a single
+        objective has none)."""
         if task is not None:
             raise KeyError(f"--task {task}: a {self.objective_name} run is one objective, not a mixture of tasks")
-        return [("", data.val_dataloader())]
+        return [("", data.val_dataloader() if split == "validation" else data.test_dataloader())]
+
+    def measure_bytes_on(self, data: Any, split: str) -> None:
+        """Take bits per byte's bytes per token from `split` of `data` (the test split's text is
+        not the validation split's) for the evaluations that follow."""
+        if self.bytes_per_token is not None:
+            self.bytes_per_token = data.split_bytes_per_token(split)
 
     def evaluation_batches(self, batches: Any, data_labels: list | None, model_labels: list | None) -> Any:
         """The batches `evaluate` feeds this module, given the label names the evaluation data
@@ -264,7 +266,8 @@ class ObjectiveBase(L.LightningModule):
         task: str | None = None,
         task_bytes_per_token: float | None = None,
     ) -> torch.Tensor | None:
-        """The shared end of training_step: guard, log, count throughput; returns the loss or None.
+        """The shared end of training_step: guard, log, hand the batch's work to the Throughput
+        callback (`step_work`); returns the loss or None.
 
         nll_mean: the plain per-token NLL behind train/ppl (None where perplexity means nothing).
         flop_tokens: non-pad input tokens that the body of the model ran on; head_positions:
@@ -305,7 +308,7 @@ class ObjectiveBase(L.LightningModule):
                     self.log(f"{prefix}bpb", bits_per_byte(float(logged[1]), task_bytes_per_token))
         for name, value in zip(metrics, logged[len(logged) - len(metrics) :]):
             self.log(f"{prefix}{name}", value)
-        self._count_work(batch, flop_tokens, head_positions)
+        self.step_work = StepWork(batch, flop_tokens, head_positions)
         return loss
 
     def _ranks_mean(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -317,9 +320,10 @@ class ObjectiveBase(L.LightningModule):
         torch.distributed.all_reduce(total)
         return list((total / self.trainer.world_size).to(torch.float32).unbind())
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._window_start is None:
-            self._window_start, self._window_step = time.perf_counter(), self.global_step
+    def flops_config(self) -> TransformerConfig:
+        """The configuration whose training FLOPs this objective spends (overridden where only
+        part of the model runs); the Throughput callback counts MFU with it."""
+        return self.model_config
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -337,21 +341,6 @@ class ObjectiveBase(L.LightningModule):
                 for p in group["params"]:
                     p.grad = None
             self.skipped_steps += 1  # logged with the next step's metrics
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        every = max(self.trainer.log_every_n_steps, 1)
-        if self.global_step == self._window_step or self.global_step % every or self._window is None:
-            return  # accumulating, or not a logging step
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # host time must cover the GPU work it timed
-        now = time.perf_counter()
-        seconds = max(now - self._window_start, 1e-9)
-        totals = self.trainer.strategy.reduce(self._window, reduce_op="sum")  # (2,) over all ranks
-        self.log("train/tokens_per_s", totals[0] / seconds)
-        peak = self._peak_flops()
-        if peak is not None:
-            self.log("train/mfu", totals[1] / seconds / (peak * self.trainer.world_size))
-        self._window_start, self._window_step, self._window = now, self.global_step, None
 
     # ------------------------------------------------------------------ evaluation
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -371,11 +360,12 @@ class ObjectiveBase(L.LightningModule):
             metric.reset()
 
     def lm_eval_metrics(self, loss: torch.Tensor | float, bytes_per_token: float | None = None) -> dict[str, float]:
-        """loss, ppl and (with bytes per token: the argument, else the objective's) bpb from a
-        mean NLL in nats per token."""
+        """loss, ppl and bpb from a mean NLL in nats per token; bpb with bytes per token (the
+        argument, else the objective's own where `reports_bits_per_byte`)."""
         value = float(loss)
         out = {"loss": value, "ppl": math.exp(min(value, 700.0))}  # exp overflows a double past ~709
-        bytes_per_token = bytes_per_token if bytes_per_token is not None else self.bytes_per_token
+        if bytes_per_token is None and self.reports_bits_per_byte:
+            bytes_per_token = self.bytes_per_token
         if bytes_per_token is not None:
             out["bpb"] = bits_per_byte(value, bytes_per_token)
         return out
@@ -424,6 +414,10 @@ class ObjectiveBase(L.LightningModule):
             mesh=self.device_mesh,
         )
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """train/tokens_per_s and train/mfu on any Trainer, the recipe's or a user's own."""
+        return [Throughput(peak_flops=self.peak_flops)]
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["skipped_steps"] = self.skipped_steps
         checkpoint["train_seconds"] = self.train_clock.read()  # a resumed time budget goes on from here
@@ -433,44 +427,3 @@ class ObjectiveBase(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.train_clock.reset(float(checkpoint.get("train_seconds", 0.0)))
-
-    # ------------------------------------------------------------------ throughput internals
-    def _count_work(
-        self, batch: dict[str, torch.Tensor], flop_tokens: torch.Tensor | float, head_positions: torch.Tensor | float
-    ) -> None:
-        body, head = self._flops_per_token(batch)
-        tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
-        if "decoder_input_ids" in batch:
-            tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
-
-        def on_device(x):
-            return torch.as_tensor(x, dtype=torch.float32, device=tokens.device)
-
-        work = torch.stack([on_device(tokens), on_device(flop_tokens) * body + on_device(head_positions) * head])
-        self._window = work if self._window is None else self._window + work
-
-    def _flops_per_token(self, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(body FLOPs per input token, LM-head FLOPs per head position) for this batch's lengths."""
-        T = batch["input_ids"].shape[1]
-        T_dec = batch["decoder_input_ids"].shape[1] if "decoder_input_ids" in batch else None
-        key = (T, T_dec)
-        if key not in self._flops_cache:
-            from lit_transformer.model.accounting import train_flops
-
-            cfg = self.flops_config()
-            flops = train_flops(cfg, T, T_dec if cfg.arch == "encoder_decoder" else None)
-            outputs = T_dec if T_dec is not None and cfg.arch == "encoder_decoder" else T
-            self._flops_cache[key] = ((flops.total - flops.lm_head) / T, flops.lm_head / outputs)
-        return self._flops_cache[key]
-
-    def flops_config(self) -> TransformerConfig:
-        """The configuration whose training FLOPs this objective spends (overridden where only
-        part of the model runs)."""
-        return self.model_config
-
-    def _peak_flops(self) -> float | None:
-        if self.peak_flops is not None:
-            return self.peak_flops
-        if self.device.type != "cuda":
-            return None
-        return peak_flops_for(torch.cuda.get_device_name(self.device), str(self.trainer.precision))

@@ -21,6 +21,8 @@ from lit_transformer.recipe.schema import OptimConfig
 
 @implements("clm")
 class CausalLM(ObjectiveBase):
+    reports_bits_per_byte = True  # every token of the text, predicted in order
+
     def __init__(
         self,
         model: TransformerConfig | LanguageModel | dict,

@@ -1,6 +1,6 @@
 """Losses and metrics shared by the objectives: token cross-entropy, exact token averages
-across batches and ranks, corpus BLEU from summed statistics, bits per byte, and the peak
-FLOP/s table that model FLOPs utilisation is measured against.
+across batches and ranks, corpus BLEU from summed statistics and bits per byte. (The peak
+FLOP/s table that model FLOPs utilisation is measured against is in training/throughput.py.)
 
 Shape legend: N predicted positions, V vocabulary.
 """
@@ -109,35 +109,3 @@ class CorpusBLEU(Metric):
             max_ngram_order=self.order,
         )
         return torch.tensor(score.score, dtype=torch.float64)
-
-
-# Dense (no structured sparsity) peak FLOP/s per GPU from NVIDIA's datasheets: the tensor-core
-# BF16/FP16, TF32 and plain FP32 rows, the "with sparsity" figures halved. Keys are words that
-# must all occur in torch.cuda.get_device_name(); more specific entries come first.
-PEAK_FLOPS: list[tuple[tuple[str, ...], dict[str, float]]] = [
-    (("h100", "pcie"), {"bf16": 756e12, "tf32": 378e12, "fp32": 51.2e12}),
-    (("h100", "nvl"), {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    (("h100",), {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM5 ("H100 80GB HBM3")
-    (("h200", "nvl"), {"bf16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    (("h200",), {"bf16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),  # SXM: the H100 SXM's compute
-    (("a100",), {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-]
-
-
-def matmul_format(precision: str) -> str | None:
-    """Which datasheet row a Lightning precision string's matrix products run at."""
-    if precision.startswith(("bf16", "16")):
-        return "bf16"  # FP16 tensor-core peak equals BF16 on these parts
-    if precision.startswith("32"):
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return None
-
-
-def peak_flops_for(device_name: str, precision: str) -> float | None:
-    """Peak FLOP/s of one device for a precision, or None when the device is not in the table."""
-    fmt = matmul_format(precision)
-    name = device_name.lower()
-    for words, peaks in PEAK_FLOPS:
-        if fmt is not None and all(w in name for w in words):
-            return peaks[fmt]
-    return None

@@ -8,11 +8,13 @@ prefix_lengths (0 causal, p prefix, T bidirectional), and a batch without them k
 fused causal path.
 
 Logged per task (besides the mixture's train/loss, train/lr, ...):
-  train/<task>/loss, train/<task>/ppl, train/<task>/bpb, train/<task>/accuracy (mlm: masked
-  tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
+  train/<task>/loss, train/<task>/ppl, train/<task>/bpb (clm and prefix_lm tasks: their loss
+  predicts the text in order, recipe.mixture's predicts_text_in_order), train/<task>/accuracy
+  (mlm: masked tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
   train/<task>/step_share, train/<task>/token_share: its share of the micro-batches and of the
   input tokens so far (saved in checkpoints, so a resumed run goes on counting);
-  val/<task>/loss, ppl, bpb, masked_accuracy or token_accuracy, as the single objectives name them.
+  val/<task>/loss, ppl, bpb, masked_accuracy or token_accuracy, as the single objectives name them
+  (test/<task>/... likewise, on the test split).
 
 Shape legend: B batch, T length.
 """
@@ -26,14 +28,15 @@ import torch
 from lit_transformer.errors import closest
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model, non_pad_tokens
+from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model
 from lit_transformer.objectives.causal_lm import causal_terms
 from lit_transformer.objectives.masked_lm import masked_terms
 from lit_transformer.objectives.metrics import TokenAverage
 from lit_transformer.objectives.seq2seq import seq2seq_terms
-from lit_transformer.recipe.mixture import mixture_data_module
+from lit_transformer.recipe.mixture import TASK_OBJECTIVES, mixture_data_module
 from lit_transformer.recipe.registry import MIXTURE, implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
+from lit_transformer.training.throughput import non_pad_tokens
 
 # the accuracy each task objective reports, named as its single objective names it
 _ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
@@ -66,6 +69,7 @@ class MultiTaskLM(ObjectiveBase):
         self.model = lm
         self.tasks = tasks
         self.task_bytes_per_token = per_task
+        self._task_bpb = self._bits_per_byte_denominators(per_task)
         self.encoder_decoder = lm.config.arch == "encoder_decoder"
         for task in tasks:
             self.eval_metrics[_key(task, "loss")] = TokenAverage()
@@ -108,7 +112,7 @@ class MultiTaskLM(ObjectiveBase):
             head_positions=count,
             metrics=metrics,
             task=task["name"],
-            task_bytes_per_token=self.task_bytes_per_token[index],
+            task_bytes_per_token=self._task_bpb[index],
         )
         if self._trainer is not None:
             self._log_shares(index, batch)
@@ -129,7 +133,7 @@ class MultiTaskLM(ObjectiveBase):
             self.eval_metrics[_key(task, accuracy)].update(correct, count)
 
     def eval_compute(self) -> dict[str, float]:
-        """{"<task>/loss", "<task>/ppl", "<task>/bpb", "<task>/<accuracy>"} for every task that
+        """{"<task>/loss", "<task>/ppl", "<task>/bpb" (in-order tasks), "<task>/<accuracy>"} for every task that
         saw evaluation batches on any rank. Every rank computes every metric (each compute is a
         collective: a rank that skipped a task its peer saw would hang both), and the tasks'
         global batch counts decide what is reported."""
@@ -146,27 +150,34 @@ class MultiTaskLM(ObjectiveBase):
             value = float(self.eval_metrics[_key(task, accuracy)].compute()) if accuracy is not None else None
             if float(counts[index]) == 0:
                 continue
-            out.update(
-                {
-                    f"{task['name']}/{k}": v
-                    for k, v in self.lm_eval_metrics(loss, self.task_bytes_per_token[index]).items()
-                }
-            )
+            out.update({f"{task['name']}/{k}": v for k, v in self.lm_eval_metrics(loss, self._task_bpb[index]).items()})
             if value is not None:
                 out[f"{task['name']}/{accuracy}"] = value
         return out
 
-    def evaluation_streams(self, data: Any, task: str | None = None) -> list[tuple[str, Any]]:
-        """(prefix, validation batches) per task, for `evaluate`: "<task>/" before each metric,
-        or, for one task, no prefix (the single objective's keys)."""
+    def evaluation_streams(
+        self, data: Any, task: str | None = None, split: str = "validation"
+    ) -> list[tuple[str, Any]]:
+        """(prefix, batches of `split`) per task that has the split, for `evaluate`: "<task>/"
+        before each metric, or, for one task, no prefix (the single objective's keys)."""
         names = [t["name"] for t in self.tasks]
         if task is not None and task not in names:
             raise KeyError(f"--task {task}: the mixture's tasks are {names}{closest(task, names)}")
+        tasks, loaders = (
+            (data.val_tasks, data.val_dataloader())
+            if split == "validation"
+            else (data.test_tasks, data.test_dataloader())
+        )
         return [
             ("" if task is not None else f"{names[index]}/", loader)
-            for index, loader in zip(data.val_tasks, data.val_dataloader())
+            for index, loader in zip(tasks, loaders)
             if task is None or names[index] == task
         ]
+
+    def measure_bytes_on(self, data: Any, split: str) -> None:
+        self._task_bpb = self._bits_per_byte_denominators(
+            [data.bytes_per_token_of(i, split) for i in range(len(self.tasks))]
+        )
 
     # ------------------------------------------------------------------ internals
     def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
@@ -181,6 +192,12 @@ class MultiTaskLM(ObjectiveBase):
             self.model, batch, label_smoothing, fused=fused, z_loss=z_loss
         )  # clm, prefix_lm
         return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
+
+    def _bits_per_byte_denominators(self, per_task: list[float | None]) -> list[float | None]:
+        """Each task's bytes per token where its bits per byte means something, else None."""
+        return [
+            b if TASK_OBJECTIVES[t["objective"]].predicts_text_in_order else None for t, b in zip(self.tasks, per_task)
+        ]
 
     def _accuracy_name(self, task: dict[str, str]) -> str | None:
         if task["objective"] == "mlm":

@@ -32,6 +32,9 @@ class TaskObjectiveSpec:
     parameters: tuple[str, ...] = ()  # the task keys of its objective (each replaces the data key of that name)
     length_keys: tuple[str, ...] = ("block_size",)  # data keys that bound what the model reads
     bidirectional: bool = False  # trains a decoder's fully bidirectional mode (classification reads it)
+    # its loss predicts the text in order (a whole block, or the continuation after a prefix), so
+    # it converts to bits per byte of the text; mlm and span predict corrupted tokens only
+    predicts_text_in_order: bool = False
 
 
 TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
@@ -41,10 +44,12 @@ TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
         parameters=("mlm_probability",),
         bidirectional=True,
     ),
-    "clm": TaskObjectiveSpec(("decoder",), {"decoder": "clm"}),
+    "clm": TaskObjectiveSpec(("decoder",), {"decoder": "clm"}, predicts_text_in_order=True),
     # a decoder's prefix LM reads next-token blocks (T + 1 tokens); an encoder-decoder's splits
     # plain blocks of T tokens into what it encodes and what it decodes
-    "prefix_lm": TaskObjectiveSpec(("decoder", "encoder_decoder"), {"decoder": "clm", "encoder_decoder": "mlm"}),
+    "prefix_lm": TaskObjectiveSpec(
+        ("decoder", "encoder_decoder"), {"decoder": "clm", "encoder_decoder": "mlm"}, predicts_text_in_order=True
+    ),
     "span": TaskObjectiveSpec(
         ("encoder_decoder",), {"encoder_decoder": "span"}, parameters=("noise_density", "mean_span_length")
     ),
