@@ -1,4 +1,4 @@
-"""Start-up checks (preflight.py): a recipe that asks for more devices, cores or memory than the
+"""Start-up checks (training/preflight.py): a recipe that asks for more devices, cores or memory than the
 machine has stops before anything is written or spawned, in one line naming the keys to change.
 The machine is faked (cores, GPUs, available memory) so the tests say the same on any host."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from lit_transformer.commands.cli import main
 from lit_transformer.errors import RecipeError
-from lit_transformer.recipe.load import load_recipe, model_config
+from lit_transformer.recipe.load import load_recipe, longest_input, model_config
 from lit_transformer.training import preflight
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -30,8 +30,25 @@ def machine(monkeypatch):
     return spec
 
 
+def check(cfg) -> None:
+    """The checks as `pretrain` runs them: on the sections and values it resolves from the recipe."""
+    preflight.check(cfg.trainer, cfg.data, model_config(cfg), longest_input(cfg)[1])
+
+
+def capped(cfg) -> int:
+    return preflight.capped_workers(cfg.trainer, cfg.data.num_workers)
+
+
+def trainer(tmp_path, *overrides):
+    return wmt(tmp_path, *overrides).trainer
+
+
+def estimate(cfg, model=None) -> preflight.MemoryEstimate:
+    return preflight.estimate(cfg.trainer, cfg.data, model or model_config(cfg), longest_input(cfg)[1])
+
+
 def translation_files(root: Path) -> list[str]:
-    """The README's translation example's keys, on a few aligned sentence pairs."""
+    """The translation example's keys (docs/data.md), on a few aligned sentence pairs."""
     files = {}
     for name, lines in (
         ("train.en", ["a small house", "the red car"] * 20),
@@ -55,7 +72,7 @@ def wmt(tmp_path: Path, *extra: str):
     )
 
 
-def test_the_readme_translation_example_stops_at_once_naming_the_keys(machine, tmp_path, capsys):
+def test_the_documented_translation_example_stops_at_once_naming_the_keys(machine, tmp_path, capsys):
     run_dir = tmp_path / "run"
     start = time.perf_counter()
     code = main(
@@ -76,64 +93,64 @@ def test_the_readme_translation_example_stops_at_once_naming_the_keys(machine, t
 
 def test_the_changed_keys_pass_every_check(machine, tmp_path):
     cfg = wmt(tmp_path, "trainer.devices=1", "trainer.accumulate_grad_batches=8")
-    preflight.check(cfg, model_config(cfg))
-    assert preflight.capped_workers(cfg) == 2  # paper.yaml's 4 workers, for 2 cores
+    check(cfg)
+    assert capped(cfg) == 2  # paper.yaml's 4 workers, for 2 cores
 
 
 def test_gpus_are_counted(machine, tmp_path):
     machine["gpus"] = 2
     with pytest.raises(RecipeError, match=r"trainer.devices=8 but this machine has 2 GPU\(s\); set trainer.devices=2"):
-        preflight.check_devices(wmt(tmp_path))
+        preflight.check_devices(trainer(tmp_path))
     machine["gpus"] = 0
     with pytest.raises(RecipeError, match="trainer.accelerator=gpu but this machine has no CUDA GPU"):
-        preflight.check_devices(wmt(tmp_path, "trainer.accelerator=gpu", "trainer.devices=1"))
-    preflight.check_devices(wmt(tmp_path, "trainer.devices=2"))  # two CPU processes on two cores
+        preflight.check_devices(trainer(tmp_path, "trainer.accelerator=gpu", "trainer.devices=1"))
+    preflight.check_devices(trainer(tmp_path, "trainer.devices=2"))  # two CPU processes on two cores
 
 
 def test_workers_are_capped_by_the_cores_of_each_rank(machine, tmp_path, capsys):
     machine["cores"] = 8
-    assert preflight.capped_workers(wmt(tmp_path, "trainer.devices=2")) == 4
+    assert capped(wmt(tmp_path, "trainer.devices=2")) == 4
     assert capsys.readouterr().err == ""
-    assert preflight.capped_workers(wmt(tmp_path, "trainer.devices=4")) == 2
+    assert capped(wmt(tmp_path, "trainer.devices=4")) == 2
     assert "data.num_workers=4 capped to 2" in capsys.readouterr().err
 
 
 def test_a_run_that_cannot_fit_in_memory_stops_naming_the_keys(machine, tmp_path):
     cfg = wmt(tmp_path, "trainer.devices=1")
-    need = preflight.estimate(cfg, model_config(cfg))
+    need = estimate(cfg)
     machine["memory"] = need.per_rank  # the process itself needs more than the states and activations
     with pytest.raises(
         RecipeError, match="data.batch_tokens.*trainer.activation_checkpointing=true.*trainer.check_memory=false"
     ):
-        preflight.check(cfg, model_config(cfg))
+        check(cfg)
     unchecked = wmt(tmp_path, "trainer.devices=1", "trainer.check_memory=false")
-    preflight.check(unchecked, model_config(unchecked))
+    check(unchecked)
     machine["gpus"], machine["gpu_memory"] = 1, need.per_rank // 2
     with pytest.raises(RecipeError, match="one GPU needs about"):
-        preflight.check(cfg, model_config(cfg))
+        check(cfg)
 
 
 def test_the_estimate_follows_the_strategy_precision_and_recomputation(machine, tmp_path):
     sentences = ("trainer.devices=2", "data.batch_tokens=null")  # 128 pairs of up to 256 tokens
     base = wmt(tmp_path, *sentences)
     model = model_config(base)
-    ddp = preflight.estimate(base, model)
-    fsdp = preflight.estimate(wmt(tmp_path, *sentences, "trainer.strategy=fsdp"), model)
+    ddp = estimate(base, model)
+    fsdp = estimate(wmt(tmp_path, *sentences, "trainer.strategy=fsdp"), model)
     assert fsdp.states == ddp.states // 2 and fsdp.activations == ddp.activations
-    bf16 = preflight.estimate(wmt(tmp_path, *sentences, "trainer.precision=bf16-true"), model)
+    bf16 = estimate(wmt(tmp_path, *sentences, "trainer.precision=bf16-true"), model)
     assert bf16.states == ddp.states // 2
-    recompute = preflight.estimate(wmt(tmp_path, *sentences, "trainer.activation_checkpointing=true"), model)
+    recompute = estimate(wmt(tmp_path, *sentences, "trainer.activation_checkpointing=true"), model)
     assert recompute.activations < ddp.activations / 3
     assert ddp.tokens == 256  # data.max_length of the recipe
     # token batches: pairs x the longest side <= 3,200, so at most 12 pairs of 256 tokens
-    tokens = preflight.estimate(wmt(tmp_path, "trainer.devices=2"), model)
-    assert tokens == preflight.estimate(wmt(tmp_path, *sentences, "data.batch_size=12"), model)
+    tokens = estimate(wmt(tmp_path, "trainer.devices=2"), model)
+    assert tokens == estimate(wmt(tmp_path, *sentences, "data.batch_size=12"), model)
 
 
 def test_spawned_ranks_do_not_check_again(machine, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     cfg = wmt(tmp_path)
-    preflight.check(cfg, model_config(cfg))  # rank 0 checked for the whole node
+    check(cfg)  # rank 0 checked for the whole node
 
 
 def test_the_loss_chunk_is_the_fused_loss_chunk():

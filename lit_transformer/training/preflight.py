@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_transformer.data.settings import DataConfig
 from lit_transformer.errors import RecipeError
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.recipe.load import longest_input
-from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.schema import TrainerConfig
 
 GB = 1e9
 # Resident memory of one training process before the model: Python, torch, Lightning, datasets,
-# tokenizers and wandb imported (measured here: 0.52 GB with /usr/bin/time -v).
+# tokenizers and wandb imported, with a margin over the measurement (docs/defaults.md, "Start-up
+# memory check").
 PROCESS_BYTES = int(0.6 * GB)
 # A data-loader worker is a fork of its rank; copy-on-write keeps most pages shared, but the
 # interpreter's reference counts touch some (an estimate, not a measurement of every corpus).
@@ -46,30 +47,30 @@ def gpu_memory() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
-def on_gpu(cfg: RunConfig) -> bool:
-    accelerator = cfg.trainer.accelerator
+def on_gpu(trainer: TrainerConfig) -> bool:
+    accelerator = trainer.accelerator
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and gpu_count() > 0)
 
 
-def processes_per_node(cfg: RunConfig) -> int:
+def processes_per_node(trainer: TrainerConfig) -> int:
     """Lightning's process count on this node: `devices`, with "auto" meaning every GPU, or one
     process on a CPU."""
-    devices = cfg.trainer.devices
+    devices = trainer.devices
     if devices == "auto":
-        return max(gpu_count(), 1) if on_gpu(cfg) else 1
+        return max(gpu_count(), 1) if on_gpu(trainer) else 1
     return int(devices)
 
 
-def check_devices(cfg: RunConfig) -> None:
+def check_devices(t: TrainerConfig) -> None:
     """One line naming the keys to change when the recipe asks for devices that are not here."""
-    t, gpus = cfg.trainer, gpu_count()
+    gpus = gpu_count()
     if t.accelerator in ("gpu", "cuda") and gpus == 0:
         raise RecipeError(
             f"trainer.accelerator={t.accelerator} but this machine has no CUDA GPU; "
             "set trainer.accelerator=cpu (or auto)"
         )
-    wanted = processes_per_node(cfg)
-    if on_gpu(cfg):
+    wanted = processes_per_node(t)
+    if on_gpu(t):
         if wanted > gpus:
             raise RecipeError(
                 f"trainer.devices={t.devices} but this machine has {gpus} GPU(s); set "
@@ -87,19 +88,20 @@ def check_devices(cfg: RunConfig) -> None:
         )
 
 
-def workers_limit(cfg: RunConfig) -> int:
+def workers_limit(trainer: TrainerConfig) -> int:
     """The data-loader workers one rank may start: the cores it has (at least one)."""
-    return max(cpu_cores() // processes_per_node(cfg), 1)
+    return max(cpu_cores() // processes_per_node(trainer), 1)
 
 
-def capped_workers(cfg: RunConfig) -> int:
-    """data.num_workers, at most the cores one rank has (a notice on stderr when capped)."""
-    wanted, per_rank = cfg.data.num_workers, workers_limit(cfg)
+def capped_workers(trainer: TrainerConfig, wanted: int) -> int:
+    """`wanted` data-loader workers (data.num_workers), at most the cores one rank has (a notice
+    on stderr when capped)."""
+    per_rank = workers_limit(trainer)
     if wanted <= per_rank:
         return wanted
     print(
         f"data.num_workers={wanted} capped to {per_rank}: {cpu_cores()} CPU core(s) shared by "
-        f"{processes_per_node(cfg)} process(es)",
+        f"{processes_per_node(trainer)} process(es)",
         file=sys.stderr,
     )
     return per_rank
@@ -116,23 +118,22 @@ class MemoryEstimate:
         return self.states + self.activations
 
 
-def estimate(cfg: RunConfig, model: TransformerConfig) -> MemoryEstimate:
-    """What one rank holds while training, from the config alone (README, "Memory"): states at
+def estimate(t: TrainerConfig, data: DataConfig, model: TransformerConfig, tokens: int) -> MemoryEstimate:
+    """What one rank holds while training, from the config alone (docs/scaling.md, "Memory"): states at
     16 bytes per parameter (8 in bf16-true), divided over the ranks under FSDP; activations
     from Korthikanti et al. 2022 (table 2): 34 * T * d_model bytes per layer and sequence in 16-bit,
     its MLP share (19 of 34, for d_ff = 4 d_model) scaled by d_ff, doubled in float32; plus one
-    chunk of the loss's float32 logits. Sequences at their configured maximum length."""
+    chunk of the loss's float32 logits. `tokens`: the longest sequence a batch holds (the recipe's
+    configured maximum, `recipe.load.longest_input`)."""
     from lit_transformer.model.accounting import count_parameters
 
-    t = cfg.trainer
     params = count_parameters(model)
     states = params * (8 if t.precision == "bf16-true" else 16)
     if t.strategy == "fsdp":
-        states //= processes_per_node(cfg) * t.num_nodes
-    _, tokens = longest_input(cfg)
-    batch = cfg.data.batch_size
-    if cfg.data.batch_tokens is not None:  # pairs x the longest side <= batch_tokens (one over-long pair alone)
-        batch = max(cfg.data.batch_tokens // tokens, 1)
+        states //= processes_per_node(t) * t.num_nodes
+    batch = data.batch_size
+    if data.batch_tokens is not None:  # pairs x the longest side <= batch_tokens (one over-long pair alone)
+        batch = max(data.batch_tokens // tokens, 1)
     width = 2 if t.precision == "32-true" else 1  # bytes per element over the 16-bit formula's 2
     full_layer = (15 * model.d_model + 19 * model.d_ff / 4) * width  # per token
     layers = model.n_layers
@@ -160,19 +161,19 @@ def available_memory() -> int | None:
     return None
 
 
-def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
+def check_memory(trainer: TrainerConfig, data: DataConfig, model: TransformerConfig, tokens: int) -> None:
     """One line when one node's ranks cannot fit, naming the keys that shrink the need."""
-    need = estimate(cfg, model)
-    if cfg.data.batch_tokens is not None:
-        key, size = "data.batch_tokens", f"data.batch_tokens={cfg.data.batch_tokens}"
+    need = estimate(trainer, data, model, tokens)
+    if data.batch_tokens is not None:
+        key, size = "data.batch_tokens", f"data.batch_tokens={data.batch_tokens}"
     else:
-        key, size = "data.batch_size", f"data.batch_size={cfg.data.batch_size} x {need.tokens} tokens"
+        key, size = "data.batch_size", f"data.batch_size={data.batch_size} x {need.tokens} tokens"
     fixes = (
         f"lower {key} (raise trainer.accumulate_grad_batches to keep the global batch), "
         "set trainer.activation_checkpointing=true, or trainer.check_memory=false to try anyway"
     )
     shape = f"states {need.states / GB:.1f} GB + activations {need.activations / GB:.1f} GB at {size}"
-    if on_gpu(cfg):
+    if on_gpu(trainer):
         total = gpu_memory()
         if need.per_rank > total:
             raise RecipeError(
@@ -182,9 +183,9 @@ def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
     available = available_memory()
     if available is None:
         return
-    ranks = processes_per_node(cfg)
+    ranks = processes_per_node(trainer)
     total = (
-        ranks * (need.per_rank + PROCESS_BYTES) + ranks * min(cfg.data.num_workers, workers_limit(cfg)) * WORKER_BYTES
+        ranks * (need.per_rank + PROCESS_BYTES) + ranks * min(data.num_workers, workers_limit(trainer)) * WORKER_BYTES
     )
     if total > available:
         raise RecipeError(
@@ -194,11 +195,13 @@ def check_memory(cfg: RunConfig, model: TransformerConfig) -> None:
         )
 
 
-def check(cfg: RunConfig, model: TransformerConfig) -> None:
+def check(trainer: TrainerConfig, data: DataConfig, model: TransformerConfig, tokens: int) -> None:
     """Every start-up check, in the launching process only: ranks that Lightning or torchrun
-    start later find the machine already loaded by their siblings."""
+    start later find the machine already loaded by their siblings. The command resolves what the
+    checks need from the recipe: its trainer and data sections, the model config and the longest
+    sequence a batch holds."""
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         return
-    check_devices(cfg)
-    if cfg.trainer.check_memory:
-        check_memory(cfg, model)
+    check_devices(trainer)
+    if trainer.check_memory:
+        check_memory(trainer, data, model, tokens)
