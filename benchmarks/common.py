@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -298,10 +299,28 @@ def time_alternating(
     return times
 
 
-def paired_speedup(ours: list[float], theirs: list[float]) -> float:
-    """The median over rounds of theirs / ours, each ratio from two adjacent steps: robust to
-    a background load that changes during the run (a single lucky or unlucky step)."""
-    return statistics.median(t / o for o, t in zip(ours, theirs))
+def paired_speedup(ours: list[float], theirs: list[float]) -> dict[str, float]:
+    """theirs / ours of each round of alternating steps (two adjacent steps share the background
+    load), summarised as the median over rounds with the range (min, max) beside it: never
+    one side's best step against the other's, which favours whichever side got lucky."""
+    if not ours or len(ours) != len(theirs):
+        raise ValueError(f"alternating runs pair one step each: {len(ours)} against {len(theirs)}")
+    ratios = sorted(t / o for o, t in zip(ours, theirs))
+    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+class ComparisonError(Exception):
+    """The two sides of a comparison do not compute the same thing: no speed figure is valid."""
+
+
+def check_first_losses(family: str, ours: float, theirs: float, rel: float = 0.02) -> None:
+    """Same weights, same batch: the first losses must agree (within `rel`), or the two sides
+    are different models and comparing their speed means nothing."""
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or abs(ours - theirs) > rel * abs(theirs):
+        raise ComparisonError(
+            f"{family}: first losses differ (ours {ours:.4f}, transformers {theirs:.4f}, more than {rel:.0%} "
+            "apart): the two sides do not compute the same model, so their speeds are not compared"
+        )
 
 
 def peak_memory_subprocess(

@@ -5,7 +5,8 @@ size (d_model 768, 12 heads, d_ff 3072, the families' own vocabularies), one tra
 (forward + backward + AdamW) of ours, through the objective a run trains with, and of
 transformers' BertForMaskedLM / GPT2LMHeadModel / T5ForConditionalGeneration built from the
 equivalent config (our export mapping) with OUR weights copied in (so the first losses must
-agree: a check that both compute the same model), the same batch, precision, dropout (0) and
+agree: a check that both compute the same model; when they differ by more than 2% the run stops
+with exit status 1, naming the family and both losses), the same batch, precision, dropout (0) and
 optimizer (torch's fused AdamW on both). Both run in one process, step by step alternately
 with a bf16 matrix-product probe, so that background load falls on all three alike.
 
@@ -19,8 +20,9 @@ Reported per family:
                     other processes; medians are in the JSON). T5: encoder input tokens, as the
                     T5 paper and `accounting.train_flops_per_token` count them.
   speedup_vs_transformers  the median over rounds of transformers' step time / ours, each
-                    ratio from two adjacent steps (robust to load that changes during the run;
-                    `speedup_of_best_steps` is the ratio of the fastest steps).
+                    ratio from two adjacent steps (robust to load that changes during the run),
+                    with `speedup_range`, the lowest and highest of those ratios: the headline
+                    is "median (min-max)", never one side's best step against the other's.
   mfu               tokens_per_s x model FLOPs per token / matmul_peak_flops. FLOPs are
                     `accounting.train_flops` (PaLM's 6N + attention, full T x T scores), with the
                     LM head counted on the positions it actually runs on: all of them, except
@@ -130,8 +132,10 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
     batch = common.make_batch(setup, args.device)
     ours = common.build_ours(setup, args.device, args.precision, compile=args.compile)
     hf = common.build_hf(setup, args.device, args.precision, compile=args.compile, ours=ours.module.model)
-    # The first step of each: same weights, same batch, so the losses must agree.
+    # The first step of each: same weights, same batch, so the losses must agree; otherwise the
+    # two sides are different models and no speed figure of this family is valid.
     loss, hf_loss = float(ours.step(batch)), float(hf.step(batch))
+    common.check_first_losses(family, loss, hf_loss)
     times = common.time_alternating(
         {"ours": ours.step, "hf": hf.step, "peak": peak},
         batch,
@@ -140,6 +144,7 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
         rounds=args.rounds,
     )
     best, hf_best = min(times["ours"]), min(times["hf"])
+    speedup = common.paired_speedup(times["ours"], times["hf"])
     flops = common.spent_flops(setup, batch, head_everywhere=family != "bert_mlm")
     hf_flops = common.spent_flops(setup, batch, head_everywhere=True)
     tokens = setup.tokens
@@ -151,8 +156,8 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
         "mfu": None,
         "peak_memory_bytes": None,
         "transformers_tokens_per_s": tokens / hf_best,
-        "speedup_vs_transformers": common.paired_speedup(times["ours"], times["hf"]),
-        "speedup_of_best_steps": hf_best / best,
+        "speedup_vs_transformers": speedup["median"],
+        "speedup_range": [speedup["min"], speedup["max"]],
         "tokens_per_s_median": tokens / statistics.median(times["ours"]),
         "transformers_tokens_per_s_median": tokens / statistics.median(times["hf"]),
         "step_seconds": times["ours"],
@@ -165,8 +170,6 @@ def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
         "first_loss": loss,
         "transformers_first_loss": hf_loss,
     }
-    if abs(loss - hf_loss) > 0.02 * abs(hf_loss):
-        log(f"WARNING {family}: first losses differ (ours {loss:.4f}, transformers {hf_loss:.4f})")
     if not args.no_memory:
         if args.cuda:
             result["peak_memory_bytes"] = cuda_side_peak(ours, batch)
@@ -222,22 +225,28 @@ def _pct(x) -> str:
     return f"{100 * x:.1f}%" if x is not None else "-"
 
 
+def speedup_text(result: dict) -> str:
+    """The headline ratio: the median of the alternating rounds, with their range."""
+    low, high = result["speedup_range"]
+    return f"{result['speedup_vs_transformers']:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def print_table(report: dict, out) -> None:
     peak = report["matmul_peak_flops"]
     print(
         f"device: {report['device']}; bf16 matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
-        "(tok/s: fastest step; speed-up: median of adjacent-step ratios)",
+        "(tok/s: fastest step; speed-up: median of adjacent-step ratios, their range in brackets)",
         file=out,
     )
     print(
-        f"{'family':<9} {'precision':<18} {'ours tok/s':>11} {'hf tok/s':>10} {'speed-up':>9} {'MFU':>6} "
+        f"{'family':<9} {'precision':<18} {'ours tok/s':>11} {'hf tok/s':>10} {'speed-up (range)':>22} {'MFU':>6} "
         f"{'hf MFU':>7} {'ours mem':>9} {'hf mem':>9}  config",
         file=out,
     )
     for r in report["results"]:
         print(
             f"{r['family']:<9} {r['precision']:<18} {r['tokens_per_s']:>11.1f} "
-            f"{r['transformers_tokens_per_s']:>10.1f} {r['speedup_vs_transformers']:>8.2f}x {_pct(r['mfu']):>6} "
+            f"{r['transformers_tokens_per_s']:>10.1f} {speedup_text(r):>22} {_pct(r['mfu']):>6} "
             f"{_pct(r['transformers_mfu']):>7} {_gib(r['peak_memory_bytes']):>9} "
             f"{_gib(r['transformers_peak_memory_bytes']):>9}  {r['config']}",
             file=out,
@@ -288,7 +297,7 @@ def main(argv=None) -> dict:
         report["results"].append(result)
         log(
             f"{family}: ours {result['tokens_per_s']:.1f} tok/s, transformers "
-            f"{result['transformers_tokens_per_s']:.1f} tok/s ({result['speedup_vs_transformers']:.2f}x) "
+            f"{result['transformers_tokens_per_s']:.1f} tok/s ({speedup_text(result)}) "
             f"in {time.perf_counter() - t0:.0f} s"
         )
     for _ in range(3):
@@ -315,5 +324,16 @@ def main(argv=None) -> dict:
     return report
 
 
+def cli(argv=None) -> int:
+    """main() as a command: exit status 1 and one line on stderr when a comparison fails (no
+    figure of a family whose two sides disagree is reported)."""
+    try:
+        main(argv)
+    except common.ComparisonError as error:
+        log(f"error: {error}")
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -51,3 +51,20 @@ def test_a_successful_run_prints_no_banners(progress_bars_on, tmp_path, capfd):
     for banner in ("GPU available", "TPU available", "wandb:", "Generating train split", "LeafSpec", "💡"):
         assert banner not in err, err
     assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_stdout_holds_only_the_metrics_when_wandb_falls_back_to_offline(tmp_path, capfd, monkeypatch):
+    """pretrain's stdout is its final metrics JSON (scripts read it): the note that W&B found no
+    credentials and logs offline goes to stderr."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    args = pretrain_args(
+        "tiny-clm", tmp_path / "run", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger.wandb.mode=online"
+    )
+    assert main(args) == 0
+    out, err = capfd.readouterr()
+    assert len(out.splitlines()) == 1, out
+    assert json.loads(out)["val/loss"] > 0
+    assert "W&B: no API key" in err

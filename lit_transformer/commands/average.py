@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -78,16 +79,17 @@ def load_average(module, run_dir: Path, last: int) -> list[Path]:
     """End of training (trainer.average_last): load the mean of the run's last `last`
     checkpoints into the (unsharded) module, so that the final validation and the saved final
     model are the average. Fewer checkpoints than asked (a short run): those there are, said on
-    stdout; fewer than two: nothing to average, []."""
+    stderr; fewer than two: nothing to average, []."""
     paths = last_checkpoints(run_dir, last)
     if len(paths) < 2:
         print(
             f"trainer.average_last={last}: the run holds {len(paths)} checkpoint(s); the final model is "
-            "the last weights, not an average"
+            "the last weights, not an average",
+            file=sys.stderr,
         )
         return []
     if len(paths) < last:
-        print(f"trainer.average_last={last}: the run holds {len(paths)} checkpoints; averaging those")
+        print(f"trainer.average_last={last}: the run holds {len(paths)} checkpoints; averaging those", file=sys.stderr)
     module.load_state_dict(average_state_dicts(paths))
     return paths
 

@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "evaluate",
-        help="validation metrics of a run or checkpoint",
-        description="Validation metrics of a run directory (its final model) or a checkpoint: "
+        help="validation (or test) metrics of a run or checkpoint",
+        description="Validation (or, with --split test, test) metrics of a run directory (its final model) "
+        "or a checkpoint: "
         "loss, perplexity, bits_per_byte, accuracy, macro_f1 as fit the objective; a translation "
         "(seq2seq) run also decodes every sentence and reports sacrebleu's BLEU and chrF with "
         "their signatures.",
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a mixture run: only this task, with the single objective's "
         "keys (default: every task, keyed <task>/<metric>)",
+    )
+    p.add_argument(
+        "--split",
+        choices=("validation", "test"),
+        default="validation",
+        help="the run's split to evaluate: validation (default) or test (the recipe's data.test_files)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", **DEBUG)
@@ -231,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
             task=args.task,
+            split=args.split,
         )
         if args.json:
             print(json.dumps(metrics))

@@ -26,7 +26,7 @@ from lit_transformer.errors import RunError
 from lit_transformer.recipe import registry
 from lit_transformer.training.rundir import CONFIG_YAML
 
-# what evaluate prints for the names the objectives log under val/
+# what evaluate prints for the names the objectives log under val/ and test/
 EVALUATE_NAMES = {
     "ppl": "perplexity",
     "bpb": "bits_per_byte",
@@ -47,10 +47,12 @@ def evaluate(
     batch_size: int = 32,
     task: str | None = None,
     progress_bar: bool = True,
+    split: str = "validation",
 ) -> dict[str, Any]:
-    """Validation metrics of a run (its final model) or checkpoint on its validation split or
-    on `data` (a file in the run's data format, or with `data_target` a pair of aligned
-    source/target files). Keys: loss, perplexity, bits_per_byte, accuracy, macro_f1, ... as fit
+    """Metrics of a run (its final model) or checkpoint on its validation split, its test split
+    (`split="test"`: the recipe's data.test_files) or on `data` (a file in the run's data
+    format, or with `data_target` a pair of aligned source/target files). Keys: loss,
+    perplexity, bits_per_byte (causal LM), accuracy, macro_f1, ... as fit
     the objective; a translation model (seq2seq with objective.bleu) also decodes every
     sentence (the first max_batches batches' worth with max_batches) and reports BLEU and chrF
     with sacrebleu's signatures. Decoding: objective.num_beams and objective.length_penalty
@@ -70,6 +72,10 @@ def evaluate(
             f"{CONFIG_YAML} and tokenizer.json"
         )
     data_cfg = cfg.data
+    if split not in ("validation", "test"):
+        raise RunError(f"--split {split}: evaluate reads the validation or the test split")
+    if split == "test" and data is not None:
+        raise RunError(f"--split test reads the run's data.test_files; --data {data} is evaluated as it is")
     if data_target is not None and data is None:
         raise RunError(f"--data-target {data_target}: needs --data (the source file it aligns with)")
     if data is not None:
@@ -77,7 +83,7 @@ def evaluate(
             if path is not None and not Path(path).exists():
                 raise RunError(f"{flag} {path}: no such file")
         # the whole file: none of the run's caps on validation text
-        data_cfg = dataclasses.replace(data_cfg, max_val_bytes=None, max_documents=None)
+        data_cfg = dataclasses.replace(data_cfg, max_val_bytes=None, max_documents=None, test_files=[])
         if data_target is not None:
             data_cfg = dataclasses.replace(
                 data_cfg,
@@ -110,12 +116,14 @@ def evaluate(
     dm = data_module(cfg, None)
     module = load_for_evaluation(source, cfg, dm)
     try:
-        streams = module.evaluation_streams(dm, task)
+        streams = module.evaluation_streams(dm, task, split)
     except KeyError as error:
         raise RunError(f"{target}: {error.args[0]}") from None
     # [] when there is no split (a streaming DataLoader has no len(), so no truth test)
     if not streams or any(isinstance(batches, list) for _, batches in streams):
-        raise RunError(f"{target}: the data has no validation split")
+        named = " (the recipe names no data.test_files)" if split == "test" else ""
+        raise RunError(f"{target}: the data has no {split} split{named}")
+    module.measure_bytes_on(dm, split)
     out: dict[str, Any] = {"objective": module.objective_name, **({"task": task} if task is not None else {})}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
     for prefix, batches in streams:
@@ -136,7 +144,7 @@ def evaluate(
         generate_text = BatchGenerator(
             module.model, dm.tokenizer, dm.special_tokens, style, decoding, batch_size=batch_size
         )
-        pairs = build_sources(data_cfg, registry.spec(module.objective_name).data)["validation"].iterate(ReadStats())
+        pairs = build_sources(data_cfg, registry.spec(module.objective_name).data)[split].iterate(ReadStats())
         limit = None if max_batches is None else max_batches * (data_cfg.eval_batch_size or data_cfg.batch_size)
         out.update(translation_scores(generate_text, pairs, limit=limit, progress_bar=progress_bar))
     return out

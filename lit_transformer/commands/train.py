@@ -29,8 +29,8 @@ from lit_transformer.errors import RunError
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.load import check_fits, model_config, model_overrides, save_config
-from lit_transformer.recipe.mixture import trains_bidirectional_mode
+from lit_transformer.recipe.load import check_fits, longest_input, model_config, model_overrides, save_config
+from lit_transformer.recipe.mixture import task_data, trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training import preflight
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
@@ -61,7 +61,10 @@ def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | No
     """The prepared data module the objective reads (its class builds it: one data kind, or a
     mixture's tasks)."""
     dm = registry.objective_class(cfg.objective.name).data_module(
-        cfg, str(run_dir) if run_dir is not None else None, model_vocab_size, preflight.capped_workers(cfg)
+        cfg,
+        str(run_dir) if run_dir is not None else None,
+        model_vocab_size,
+        preflight.capped_workers(cfg.trainer, cfg.data.num_workers),
     )
     dm.prepare_data()
     dm.setup("fit")
@@ -86,9 +89,15 @@ def build_objective(cfg: RunConfig, model: TransformerConfig | LanguageModel, dm
     return registry.objective_class(name).from_recipe(name, cfg, model, dm)
 
 
+def names_test_files(cfg: RunConfig) -> bool:
+    """Whether the recipe names a test split (data.test_files, or a task's)."""
+    return any(data.test_files for data in ([task_data(cfg, t) for t in cfg.tasks] if cfg.tasks else [cfg.data]))
+
+
 def train(cfg: RunConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool = True) -> dict[str, float]:
-    """Pretrain or fine-tune as the recipe says; returns the final validation metrics. The run
-    directory ends up holding everything `rundir` lists."""
+    """Pretrain or fine-tune as the recipe says; returns the final validation metrics, and the
+    test split's (`test/...`) when the recipe names one. The run directory ends up holding
+    everything `rundir` lists."""
     cfg = resolve(cfg)
     with cpu_threads(cfg.trainer.num_threads):
         return _train(cfg, callbacks, progress_bar)
@@ -118,7 +127,8 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
 
     source = resolve_source(cfg.finetune.from_) if cfg.finetune.from_ is not None else None
     # before anything is written or spawned: the devices, the cores and the memory it needs
-    preflight.check(cfg, model_config(cfg) if source is None else source_model_config(source))
+    checked_model = model_config(cfg) if source is None else source_model_config(source)
+    preflight.check(cfg.trainer, cfg.data, checked_model, longest_input(cfg)[1])
     run_dir, ckpt = open_run_dir(cfg)
     if ckpt is None:
         save_config(cfg, run_dir / CONFIG_YAML)  # first, so that a run that fails later can be started again
@@ -156,6 +166,11 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             with worker_errors():
                 trainer.validate(module, datamodule=dm, verbose=False)  # the final model's metrics
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if not interrupted and names_test_files(cfg):
+            module.measure_bytes_on(dm, "test")
+            with worker_errors():
+                trainer.test(module, datamodule=dm, verbose=False)  # the final model's, once
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
         if not interrupted:
             final = consolidated(module, trainer.global_rank)  # FSDP: every rank gathers, rank 0 saves
             if trainer.is_global_zero:

@@ -57,9 +57,15 @@ class SplitSource:
 def build_sources(cfg: DataConfig, objective: str, *, streaming: bool | None = None) -> dict[str, SplitSource]:
     kind = objective_kind(objective)
     streaming = cfg.streaming if streaming is None else streaming
+    aligned = kind == "seq2seq" and (cfg.source_files or cfg.val_source_files)
+    if cfg.test_files and (cfg.hub_name or aligned or not cfg.train_files):
+        other = "data.hub_name" if cfg.hub_name else "data.source_files" if aligned else "the embedded corpus"
+        raise DataError(
+            f"data.test_files={cfg.test_files}: a test split is read beside data.train_files, not with {other}"
+        )
     if cfg.hub_name:
         return _hub_sources(cfg, kind, streaming)
-    if kind == "seq2seq" and (cfg.source_files or cfg.val_source_files):
+    if aligned:
         return _aligned_sources(cfg)
     if not cfg.train_files:
         return _embedded_sources(cfg, kind)
@@ -121,7 +127,7 @@ def _file_sources(cfg: DataConfig, kind: str, streaming: bool) -> dict[str, Spli
         out["validation"] = _files_source(
             "validation", kind, train, cfg, streaming, "data.train_files", holdout=(holdout, True)
         )
-    if cfg.test_files and kind != "lm":
+    if cfg.test_files:
         test = F.resolve_files(cfg.test_files, "data.test_files", cfg.format)
         out["test"] = _files_source("test", kind, test, cfg, streaming, "data.test_files")
     return out

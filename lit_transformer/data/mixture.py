@@ -427,8 +427,8 @@ class MixtureDataModule(RankedDataModule):
     def test_tasks(self) -> list[int]:
         return self._tasks_with("test")
 
-    def bytes_per_token_of(self, t: int) -> float | None:
-        return self._ready()[t].bytes_per_token
+    def bytes_per_token_of(self, t: int, split: str = "validation") -> float | None:
+        return self._ready()[t].split_bytes_per_token(split)
 
     @property
     def label_names(self) -> None:

@@ -127,7 +127,7 @@ class TextDataModule(RankedDataModule):
         self._consumed = 0  # training batches of that epoch used so far
         self._resume: tuple[int, int] | None = None
         self._next_epoch = 0  # without a trainer: epochs count iterations of the train loader
-        self._stream_bytes_per_token: float | None = None
+        self._stream_bytes_per_token: dict[str, float] = {}  # by split
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -208,17 +208,21 @@ class TextDataModule(RankedDataModule):
     @property
     def bytes_per_token(self) -> float | None:
         """Validation UTF-8 bytes per token (separators included): bits/byte = loss / ln 2 / this."""
+        return self.split_bytes_per_token("validation")
+
+    def split_bytes_per_token(self, split: str) -> float | None:
+        """UTF-8 bytes per token of `split` (validation or test); None without that split."""
         prepared = self._ready()
-        entry = prepared.entries.get("validation")
+        entry = prepared.entries.get(split)
         if entry is not None:
             return entry.meta["bytes"] / entry.meta["tokens"]
-        if "validation" not in prepared.sources:
+        if split not in prepared.sources:
             return None
-        if self._stream_bytes_per_token is None:  # streaming: measure on the first ~1 MB
-            self._stream_bytes_per_token = estimate_bytes_per_token(
-                prepared.sources["validation"], prepared.tokenizer, prepared.special.separator_id
+        if split not in self._stream_bytes_per_token:  # streaming: measure on the first ~1 MB
+            self._stream_bytes_per_token[split] = estimate_bytes_per_token(
+                prepared.sources[split], prepared.tokenizer, prepared.special.separator_id
             )
-        return self._stream_bytes_per_token
+        return self._stream_bytes_per_token[split]
 
     # ------------------------------------------------------------------ internals
 

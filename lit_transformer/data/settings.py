@@ -31,7 +31,8 @@ class DataConfig:
     # Corpus: files, globs or directories. Empty everywhere: the embedded stdlib corpus/task.
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
-    test_files: list[str] = field(default_factory=list)  # classify / seq2seq evaluation
+    # evaluated once training ends (test/... metrics) and by `evaluate --split test`
+    test_files: list[str] = field(default_factory=list)
     format: Format = "auto"  # auto: from each file's extension (.txt, .jsonl, .csv, ...)
     # .txt: one document per non-blank line, per blank-line separated paragraph, or per file
     text_format: TextFormat = "paragraphs"

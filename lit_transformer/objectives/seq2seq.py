@@ -164,19 +164,34 @@ class Seq2SeqLM(ObjectiveBase):
         )
 
     def on_validation_epoch_start(self) -> None:
+        self._gather_for_bleu()
+
+    def on_validation_epoch_end(self) -> None:
+        try:
+            super().on_validation_epoch_end()
+        finally:
+            self._release_gathered()
+
+    def on_test_epoch_start(self) -> None:  # the test split decodes BLEU as validation does
+        self._gather_for_bleu()
+
+    def on_test_epoch_end(self) -> None:
+        try:
+            super().on_test_epoch_end()
+        finally:
+            self._release_gathered()
+
+    def _gather_for_bleu(self) -> None:
         if self.bleu:
             # ranks decode their own batches for different numbers of steps: under FSDP2 the
             # whole model is gathered for the epoch instead of per block in each forward
             self._gathered = contextlib.ExitStack()
             self._gathered.enter_context(gathered_parameters(self))
 
-    def on_validation_epoch_end(self) -> None:
-        try:
-            super().on_validation_epoch_end()
-        finally:
-            if getattr(self, "_gathered", None) is not None:
-                self._gathered.close()
-                self._gathered = None
+    def _release_gathered(self) -> None:
+        if getattr(self, "_gathered", None) is not None:
+            self._gathered.close()
+            self._gathered = None
 
     def eval_update(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         _, nll_sum, count, correct = self._terms(batch, 0.0)

@@ -133,7 +133,8 @@ class ProgressBar(RichProgressBar):
     metrics show the seconds of training spent out of trainer.max_time."""
 
     def __init__(self, max_time: float | None = None):
-        super().__init__()
+        # stderr, beside the other notes: stdout carries the command's result (pretrain's metrics JSON)
+        super().__init__(console_kwargs={"stderr": True})
         self.max_time = max_time
 
     @property
@@ -226,9 +227,9 @@ def keep_freed_memory(keep: bool) -> bool:
     malloc's heap (no mmap) and freed memory is not returned to the OS below 2 GB at the heap's
     top. By default glibc maps each block over 32 MB afresh and unmaps it when freed, so each
     training step page-faults its large tensors (activations, logits, gradients) in again,
-    zero-filled by the kernel: 7.1 million page faults in 400 Tatoeba steps, 0.5 million kept.
-    Costs: the process's resident memory stays near its peak, plus fragmentation (tatoeba-
-    translation's peak 1.69 -> 2.02 GB, measured). not keep: glibc's default limits again, and what
+    zero-filled by the kernel; kept, most of those page faults are gone. Costs: the process's
+    resident memory stays near its peak, plus fragmentation (the figures: docs/defaults.md,
+    "trainer.keep_freed_memory"). not keep: glibc's default limits again, and what
     was kept is given back (malloc_trim); glibc's sliding mmap threshold stays where it was, as any
     mallopt call fixes it."""
     try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,6 @@ TEMP_SUFFIX = ".tmp"
 # that loading never guesses: the registered objective name and the model config's dict.
 OBJECTIVE_KEY = "objective"
 MODEL_CONFIG_KEY = "model_config"
-# Test hook: "NAME@STEP:SECONDS" sleeps between writing the temporary file of checkpoint NAME at
-# global step STEP and renaming it, so a test can kill the process inside that window.
-PAUSE_ENV = "LIT_TRANSFORMER_TEST_CHECKPOINT_PAUSE"
 
 
 def temp_path(path: Path) -> Path:
@@ -65,7 +61,6 @@ def atomic_save(obj: Any, path: str | os.PathLike, *, write: Callable[[Any, Any]
             (write or torch.save)(obj, file)
             file.flush()
             os.fsync(file.fileno())  # the data reaches the disk before the name points at it
-        _test_pause(path, obj)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -85,16 +80,6 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _test_pause(path: Path, obj: Any) -> None:
-    spec = os.environ.get(PAUSE_ENV)
-    if not spec:
-        return
-    target, seconds = spec.rsplit(":", 1)
-    name, step = target.split("@")
-    if path.name == name and isinstance(obj, dict) and obj.get("global_step") == int(step):
-        time.sleep(float(seconds))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -206,19 +191,22 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
         return None
 
 
-def newest_complete(folder: str | os.PathLike) -> Path | None:
+def newest_complete(folder: str | os.PathLike, unreadable: list[Path] | None = None) -> Path | None:
     """The readable `*.ckpt` in `folder` with the highest global step (last.ckpt on a tie);
-    temporary files of interrupted writes and unreadable files are skipped."""
+    temporary files of interrupted writes and unreadable files are skipped (the unreadable ones
+    appended to `unreadable` when given, so that the caller can say so)."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
     ranked = []
-    for path in folder.glob("*.ckpt"):
+    for path in sorted(folder.glob("*.ckpt")):
         if is_temp(path):
             continue
         step = checkpoint_step(path)
         if step is not None:
             ranked.append((step, path.name == "last.ckpt", path.stat().st_mtime, path))
+        elif unreadable is not None:
+            unreadable.append(path)
     return max(ranked)[3] if ranked else None
 
 

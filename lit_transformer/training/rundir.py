@@ -17,9 +17,10 @@ from __future__ import annotations
 import csv
 import os
 import shutil
+import sys
 from pathlib import Path
 
-from lit_transformer.errors import RecipeError, RunError
+from lit_transformer.errors import RecipeError, RunError, first_line
 from lit_transformer.recipe.load import load_recipe, to_dict
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training.checkpoints import checkpoint_step, newest_complete, read_checkpoint, remove_temp_files
@@ -58,8 +59,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint: the readable checkpoint with the highest global step
     (last.ckpt on a tie). A kill between writing step-N.ckpt and last.ckpt leaves last.ckpt a
     step behind, so the step decides, not the name; temporary files of interrupted writes and
-    unreadable files are never chosen."""
-    return newest_complete(run_dir / CHECKPOINT_DIR)
+    unreadable files are never chosen: each one skipped is named on stderr, beside the file taken
+    instead (a damaged newer checkpoint means resuming further back than expected)."""
+    unreadable: list[Path] = []
+    ckpt = newest_complete(run_dir / CHECKPOINT_DIR, unreadable)
+    if ckpt is not None and is_main_process():
+        for path in unreadable:
+            try:
+                read_checkpoint(path, mmap=True)
+                reason = "no global step"
+            except Exception as error:  # the reason it was skipped, whatever it is
+                reason = first_line(error)
+            print(
+                f"note: skipping {path}, which cannot be read ({reason}); taking {ckpt} "
+                f"(step {checkpoint_step(ckpt)}), the newest readable checkpoint",
+                file=sys.stderr,
+            )
+    return ckpt
 
 
 def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
@@ -73,9 +89,9 @@ def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
         if ckpt is None and unreadable:  # never silently start over beside checkpoints that exist
             read_checkpoint(unreadable[-1], mmap=True)  # raises the one-line reason
         if ckpt is None:
-            print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}; starting from step 0")
+            print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}; starting from step 0", file=sys.stderr)
         else:
-            print(f"resume=auto: continuing from {ckpt} (step {checkpoint_step(ckpt)})")
+            print(f"resume=auto: continuing from {ckpt} (step {checkpoint_step(ckpt)})", file=sys.stderr)
     elif cfg.resume is not None:
         ckpt = Path(cfg.resume)
         if not ckpt.exists():

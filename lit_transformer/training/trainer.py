@@ -8,6 +8,7 @@ from __future__ import annotations
 import netrc
 import os
 import secrets
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
 from lit_transformer.errors import RecipeError
 from lit_transformer.recipe.load import to_dict
-from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.schema import RunConfig, TrainerConfig
 from lit_transformer.training.callbacks import (
     KeepFreedMemory,
     NonFiniteGuard,
@@ -35,15 +36,15 @@ from lit_transformer.training.rundir import CHECKPOINT_DIR, CSV_DIR, WANDB_DIR, 
 # ----------------------------------------------------------------------------- strategy
 
 
-def build_strategy(cfg: RunConfig) -> Any:
+def build_strategy(t: TrainerConfig) -> Any:
     """Lightning strategy for trainer.strategy.
 
     ddp: DDPStrategy (gloo on CPU, NCCL on GPUs: Lightning's choice). fsdp: FSDP2 through
     Lightning's ModelParallelStrategy, with every process in one data-parallel mesh dimension
     (`FSDP2Strategy`); the objective's `configure_model` applies `fully_shard` per Block and
     per top-level module. Both run on CPU (gloo) as well as on GPUs."""
-    check_precision(cfg)
-    name = cfg.trainer.strategy
+    check_precision(t)
+    name = t.strategy
     if name == "auto":
         return "auto"
     if name == "ddp":
@@ -53,10 +54,9 @@ def build_strategy(cfg: RunConfig) -> Any:
     return FSDP2Strategy()
 
 
-def check_precision(cfg: RunConfig) -> None:
+def check_precision(t: TrainerConfig) -> None:
     """16-mixed needs a GPU: on CPU Lightning would autocast to float16, which the CPU kernels
     run slowly and without the loss scaling that keeps fp16 gradients finite."""
-    t = cfg.trainer
     on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
     if t.precision == "16-mixed" and on_cpu:
         raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
@@ -81,7 +81,11 @@ def wandb_mode(requested: str) -> str | None:
     if requested == "disabled":
         return None
     if requested == "online" and not wandb_credentials():
-        print("W&B: no API key (WANDB_API_KEY or ~/.netrc): logging offline; sync later with `wandb sync`")
+        # stderr: stdout carries the command's result (pretrain's final metrics JSON)
+        print(
+            "W&B: no API key (WANDB_API_KEY or ~/.netrc): logging offline; sync later with `wandb sync`",
+            file=sys.stderr,
+        )
         return "offline"
     return requested
 
@@ -128,7 +132,7 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
             id=wandb_run_id(run_dir, resume),
             resume="allow",
             mode=mode,
-            # W&B's own chatter off (banner, run summary, sync hints; the README says where the
+            # W&B's own chatter off (banner, run summary, sync hints; docs/wandb.md says where the
             # offline files are and how to sync): a failing run's one-line error stays the only line
             config=to_dict(cfg),
             settings=wandb.Settings(silent=True),
@@ -142,8 +146,6 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
 def finish_wandb(run_dir: Path | None = None) -> None:
     """Close the W&B run so the next run in this process starts its own (WandbLogger would
     reuse it), then join the run's offline folders into one (a resumed run writes another)."""
-    import sys
-
     if "wandb" in sys.modules:
         import wandb
 
@@ -157,42 +159,43 @@ def finish_wandb(run_dir: Path | None = None) -> None:
             fold_segments(run_dir / WANDB_DIR, id_file.read_text().strip())
         except Exception as error:  # a damaged log of a killed segment must not fail a finished run
             print(
-                f"W&B: could not join the offline folders of {run_dir / WANDB_DIR} ({error}); `wandb sync` each folder"
+                f"W&B: could not join the offline folders of {run_dir / WANDB_DIR} ({error}); `wandb sync` each folder",
+                file=sys.stderr,
             )
 
 
 # ----------------------------------------------------------------------------- trainer
 
 
-def keep_checkpoints(cfg: RunConfig) -> int:
+def keep_checkpoints(t: TrainerConfig) -> int:
     """step-N checkpoints a run keeps: trainer.keep_checkpoints, and what averaging needs."""
-    return max(cfg.trainer.keep_checkpoints, cfg.trainer.average_last or 1)
+    return max(t.keep_checkpoints, t.average_last or 1)
 
 
 def build_callbacks(
-    cfg: RunConfig, run_dir: Path, extra: Sequence[Callback] = (), progress_bar: bool = True
+    t: TrainerConfig, run_dir: Path, extra: Sequence[Callback] = (), progress_bar: bool = True
 ) -> list[Callback]:
     callbacks: list[Callback] = [
         StepCheckpoint(
             dirpath=str(run_dir / CHECKPOINT_DIR),
             filename="step-{step}",
             auto_insert_metric_name=False,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+            every_n_train_steps=t.checkpoint_every_n_steps,
             save_last=True,
             save_on_train_epoch_end=False,
             # the newest k step-N checkpoints ("step" ranks them; k > 1 needs a monitored value)
-            save_top_k=keep_checkpoints(cfg),
-            monitor="step" if keep_checkpoints(cfg) > 1 else None,
+            save_top_k=keep_checkpoints(t),
+            monitor="step" if keep_checkpoints(t) > 1 else None,
             mode="max",
         ),
-        StepSeed(cfg.trainer.seed),
-        NonFiniteGuard(cfg.trainer.nonfinite_patience, run_dir / CHECKPOINT_DIR),
+        StepSeed(t.seed),
+        NonFiniteGuard(t.nonfinite_patience, run_dir / CHECKPOINT_DIR),
     ]
-    if cfg.trainer.max_time is not None:
-        callbacks.append(TimeBudget(cfg.trainer.max_time))
+    if t.max_time is not None:
+        callbacks.append(TimeBudget(t.max_time))
     if progress_bar:
-        callbacks.append(ProgressBar(cfg.trainer.max_time))
-    if cfg.trainer.keep_freed_memory:
+        callbacks.append(ProgressBar(t.max_time))
+    if t.keep_freed_memory:
         callbacks.append(KeepFreedMemory())
     return callbacks + list(extra)
 
@@ -214,7 +217,7 @@ def build_trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(cfg),
+        strategy=build_strategy(t),
         precision=t.precision,
         max_steps=t.max_steps,
         max_epochs=-1,
@@ -228,7 +231,7 @@ def build_trainer(
         deterministic=t.deterministic,
         num_sanity_val_steps=0,
         logger=loggers or False,
-        callbacks=build_callbacks(cfg, run_dir, callbacks, progress_bar=progress_bar),
+        callbacks=build_callbacks(t, run_dir, callbacks, progress_bar=progress_bar),
         enable_progress_bar=progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
