@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import get_args
 
 import pytest
@@ -89,16 +90,46 @@ def test_grid_covers_every_selector_value():
         assert set(GRID[field]) == set(get_args(literal)), field
 
 
+# parameter_breakdown's key of each parameter of the built module, by its name
+# (transformer.{encoder,decoder}.blocks.<i>.<module>. ...; tied weights are listed once)
+PARTS = [
+    (r"transformer\.tokens\.", "embeddings.tokens"),
+    (r"transformer\.\w+\.embed\.token_types\.", "embeddings.token_types"),
+    (r"transformer\.\w+\.(embed\.positions|relative_bias)\.", "embeddings.positions"),
+    (r"transformer\.(\w+)\.blocks\.\d+\.attn\.", r"\1.attention"),
+    (r"transformer\.(\w+)\.blocks\.\d+\.cross_attn\.", r"\1.cross_attention"),
+    (r"transformer\.(\w+)\.blocks\.\d+\.ffn\.", r"\1.ffn"),
+    (r"transformer\.(\w+)\.(blocks\.\d+\.norm\w*|final_norm|embed\.norm)\.", r"\1.norms"),
+    (r"lm_head\.(dense|norm)\.", "lm_head.transform"),
+    (r"lm_head\.decoder\.weight$", "lm_head.unembedding"),
+    (r"lm_head\.decoder\.bias$", "lm_head.bias"),
+]
+
+
+def built_breakdown(cfg: TransformerConfig) -> dict[str, int]:
+    """The built module's parameters summed by part, read off their names."""
+    parts: dict[str, int] = {}
+    for name, p in LanguageModel.from_config(cfg, device="meta").named_parameters():
+        keys = [match.expand(key) for pattern, key in PARTS if (match := re.match(pattern, name))]
+        assert len(keys) == 1, (name, keys)
+        parts[keys[0]] = parts.get(keys[0], 0) + p.numel()
+    return parts
+
+
+def assert_accounting_matches_the_module(cfg: TransformerConfig) -> None:
+    built = built_breakdown(cfg)
+    assert {k: v for k, v in parameter_breakdown(cfg).items() if v} == built, cfg
+    assert count_parameters(cfg) == sum(built.values()), cfg
+
+
 def test_parameter_count_equals_built_model_on_grid():
     for cfg in grid_configs():
-        assert count_parameters(cfg) == built_parameters(cfg), cfg
+        assert_accounting_matches_the_module(cfg)
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_parameter_count_equals_built_model_for_presets(name):
-    cfg = preset(name)
-    assert count_parameters(cfg) == built_parameters(cfg)
-    assert sum(parameter_breakdown(cfg).values()) == count_parameters(cfg)
+    assert_accounting_matches_the_module(preset(name))
 
 
 @pytest.mark.parametrize(
@@ -217,7 +248,19 @@ def test_encoder_decoder_flops_terms():
     assert b.cross_kv_projection == a.cross_kv_projection  # per source token only
     assert b.encoder_dense == a.encoder_dense and b.encoder_attention == a.encoder_attention
     assert b.decoder_attention == 4 * a.decoder_attention
-    assert a.per_token == a.total / 512
+    # By hand, per source token (C = 12 heads x 64 = 768, d_ff = 4C, no gate, tied unembedding):
+    # each encoder layer's 4C^2 attention + 8C^2 FFN weights see the S source tokens; each decoder
+    # layer's 4C^2 self-attention + 8C^2 FFN + 2C^2 cross-attention query and output weights, and
+    # the V x C unembedding, see the T targets; the cross-attention keys and values (2C^2) see S.
+    # Score products over every (query, key) pair: 12 L C (S^2 + T^2 + T S).
+    L, C, V = 12, 768, 32128
+
+    def by_hand(S: int, T: int) -> float:
+        dense = 6 * (L * (12 + 2) * C * C * S + (L * 14 * C * C + V * C) * T)
+        return (dense + 12 * L * C * (S * S + T * T + T * S)) / S
+
+    assert a.per_token == pytest.approx(by_hand(512, 114), rel=1e-12)
+    assert train_flops_per_token(cfg, 512) == pytest.approx(by_hand(512, 512), rel=1e-12)
     with pytest.raises(ConfigError, match="decoder_seq_len"):
         train_flops(preset("gpt2-small"), 1024, 100)
 

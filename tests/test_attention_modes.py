@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import seeded_model
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.generate import GenerationConfig, StepDecoder, beam_search, generate, positions_from_mask
@@ -36,11 +37,6 @@ def config(arch="decoder", position="rope", **kw) -> TransformerConfig:
         relative_max_distance=16,
     )
     return TransformerConfig(**{**values, **kw})
-
-
-def build(cfg: TransformerConfig, seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)
-    return LanguageModel.from_config(cfg).eval()
 
 
 def dependence(model: LanguageModel, ids: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
@@ -74,7 +70,7 @@ def expected_visible(prefix: list[int], length: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
 def test_bidirectional_gradients_flow_both_ways(impl):
-    model = build(config(attention_impl=impl))
+    model = seeded_model(config(attention_impl=impl))
     ids = torch.randint(0, V, (B, T))
     dep = dependence(model, ids, torch.full((B,), T))
     assert torch.all(dep[:, 0, T - 1] > 0), "the first output does not see the last token"
@@ -84,7 +80,7 @@ def test_bidirectional_gradients_flow_both_ways(impl):
 
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
 def test_prefix_zero_is_causal_and_equals_none(impl):
-    model = build(config(attention_impl=impl))
+    model = seeded_model(config(attention_impl=impl))
     ids = torch.randint(0, V, (B, T))
     for prefix in (None, torch.zeros(B, dtype=torch.long)):
         dep = dependence(model, ids, prefix)
@@ -100,7 +96,7 @@ def test_prefix_zero_is_causal_and_equals_none(impl):
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
 def test_prefix_is_bidirectional_inside_causal_after(impl):
     """Rows with prefixes 2, 3, 5: exactly the expected pairs depend on each other."""
-    model = build(config(attention_impl=impl))
+    model = seeded_model(config(attention_impl=impl))
     ids = torch.randint(0, V, (B, T))
     prefix = [2, 3, 5]
     dep = dependence(model, ids, torch.tensor(prefix))
@@ -116,7 +112,7 @@ def test_prefix_is_bidirectional_inside_causal_after(impl):
 
 def test_fused_path_only_without_prefix():
     """No prefix: no bias tensor (SDPA's fused causal kernel); a prefix: one (B, 1, T, S) bias."""
-    stack = build(config()).transformer.decoder
+    stack = seeded_model(config()).transformer.decoder
     positions = torch.arange(T).expand(B, T)
     bias, is_causal, _ = stack._self_bias(None, positions, None, torch.float32)
     assert bias is None and is_causal
@@ -130,7 +126,7 @@ def test_fused_path_only_without_prefix():
 def test_mixed_batch_equals_rows_alone(position):
     """Row 0 causal, row 1 prefix 3 (right-padded to 6 tokens), row 2 bidirectional (a prefix
     past its length, right-padded to 4 tokens): the batch equals each row run alone."""
-    model = build(config(position=position))
+    model = seeded_model(config(position=position))
     lengths, prefix = [T, 6, 4], torch.tensor([0, 3, 100])
     ids = torch.randint(1, V, (B, T))
     mask = torch.zeros(B, T, dtype=torch.long)
@@ -148,7 +144,7 @@ def test_mixed_batch_equals_rows_alone(position):
 
 
 def test_logits_at_and_head_features_take_prefix():
-    model = build(config())
+    model = seeded_model(config())
     ids, prefix = torch.randint(0, V, (B, T)), torch.tensor([0, 3, T])
     selected = torch.zeros(B, T, dtype=torch.bool)
     selected[:, 1] = True
@@ -176,7 +172,7 @@ def left_padded_prompts(lengths=(7, 4, 6), seed: int = 1):
 @pytest.mark.parametrize("position", ["rope", "alibi"])
 def test_bidirectional_prompt_first_step_reads_whole_prompt(position):
     """The first generated token's logits are those of a full forward with prefix = prompt width."""
-    model = build(config(position=position, init_std=0.2))
+    model = seeded_model(config(position=position, init_std=0.2))
     ids, mask = left_padded_prompts()
     with torch.no_grad():
         reference = model(ids, mask, position_ids=positions_from_mask(mask), prefix_lengths=torch.full((B,), T))[
@@ -191,7 +187,7 @@ def test_bidirectional_prompt_first_step_reads_whole_prompt(position):
 
 @pytest.mark.parametrize("position", ["rope", "learned", "alibi", "t5_relative"])
 def test_bidirectional_prompt_cache_equals_recomputation(position):
-    model = build(config(position=position, init_std=0.2))
+    model = seeded_model(config(position=position, init_std=0.2))
     ids, mask = left_padded_prompts()
     cached, recomputed = (
         generate(model, ids, mask, max_new_tokens=8, use_cache=use, bidirectional_prompt=True) for use in (True, False)
@@ -205,7 +201,7 @@ def test_bidirectional_prompt_cache_equals_recomputation(position):
 
 
 def test_bidirectional_prompt_beam_width_one_equals_greedy():
-    model = build(config(init_std=0.2))
+    model = seeded_model(config(init_std=0.2))
     ids, mask = left_padded_prompts()
     greedy = generate(model, ids, mask, max_new_tokens=9, bidirectional_prompt=True)
     config1 = GenerationConfig(max_new_tokens=9, num_beams=1, bidirectional_prompt=True)
@@ -215,7 +211,7 @@ def test_bidirectional_prompt_beam_width_one_equals_greedy():
 
 
 def test_causal_prompt_unchanged():
-    model = build(config(init_std=0.2))
+    model = seeded_model(config(init_std=0.2))
     ids, mask = left_padded_prompts()
     plain = generate(model, ids, mask, max_new_tokens=8)
     assert torch.equal(generate(model, ids, mask, max_new_tokens=8, bidirectional_prompt=False), plain)
@@ -223,7 +219,7 @@ def test_causal_prompt_unchanged():
 
 
 def test_bidirectional_prompt_ignored_by_encoder_decoder():
-    model = build(config("encoder_decoder", "t5_relative", init_std=0.2))
+    model = seeded_model(config("encoder_decoder", "t5_relative", init_std=0.2))
     ids, mask = left_padded_prompts()
     plain = generate(model, ids, mask, max_new_tokens=6)
     assert torch.equal(generate(model, ids, mask, max_new_tokens=6, bidirectional_prompt=True), plain)
@@ -240,7 +236,7 @@ def test_bidirectional_prompt_ignored_by_encoder_decoder():
     ],
 )
 def test_refuses_efficient_attention(options, named):
-    model = build(config(**options))
+    model = seeded_model(config(**options))
     ids = torch.randint(0, V, (B, T))
     with pytest.raises(ValueError, match=r"prefix_lengths .*" + named.replace(".", r"\.").replace("(", r"\(")):
         model(ids, prefix_lengths=torch.full((B,), 3))
@@ -249,7 +245,7 @@ def test_refuses_efficient_attention(options, named):
 
 
 def test_refuses_document_ids_and_bad_shapes():
-    model = build(config())
+    model = seeded_model(config())
     ids = torch.randint(0, V, (B, T))
     documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1]]).expand(B, T)
     with pytest.raises(ValueError, match="document_ids"):
@@ -262,7 +258,7 @@ def test_refuses_document_ids_and_bad_shapes():
 
 @pytest.mark.parametrize("arch,named", [("encoder", "already bidirectional"), ("encoder_decoder", "stays causal")])
 def test_refuses_models_without_a_decoder_only_stack(arch, named):
-    model = build(config(arch, "learned"))
+    model = seeded_model(config(arch, "learned"))
     ids = torch.randint(0, V, (B, T))
     prefix = torch.full((B,), 3)
     with pytest.raises(ValueError, match=named):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
@@ -35,28 +36,15 @@ STEPS = 3
 # Tiny and deterministic: no dropout anywhere (each rank seeds its own dropout draws), a high
 # learning rate without warmup so that a wrong update shows in the next step's loss.
 COMMON = [
-    "tokenizer.vocab_size=300",
-    "tokenizer.max_train_bytes=150000",
-    "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000",
-    "data.block_size=24",
+    *TINY_RUN,
     "data.max_length=24",
     "data.max_target_length=12",
-    "model.d_model=24",
-    "model.n_heads=2",
-    "model.d_ff=40",
-    "model.n_layers=1",
     "model.dropout=0.0",
     "finetune.head_dropout=0.0",
     "optim.lr=1e-2",
     "optim.warmup_steps=0",
     f"trainer.max_steps={STEPS}",
     "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.precision=32-true",
-    "trainer.num_threads=1",
-    "trainer.accelerator=cpu",
-    "logger.wandb.mode=disabled",
     # validation after every step, with sample generation (clm, span, seq2seq) and BLEU decoding
     # (seq2seq): under FSDP2 both run on gathered weights, and training must go on unchanged
     "trainer.val_check_interval=1",
@@ -295,10 +283,10 @@ def test_fsdp_strategy_and_16_mixed_refused_on_cpu(tmp_path):
     from lit_transformer.training.trainer import build_strategy
 
     clm = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.strategy=fsdp", f"run.dir={tmp_path}"])
-    assert isinstance(build_strategy(clm), FSDP2Strategy)
+    assert isinstance(build_strategy(clm.trainer), FSDP2Strategy)
     fp16 = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.precision=16-mixed", f"run.dir={tmp_path}"])
     with pytest.raises(RecipeError, match="16-mixed needs CUDA"):
-        build_strategy(fp16)
+        build_strategy(fp16.trainer)
 
 
 def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):

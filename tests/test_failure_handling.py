@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN
 
 from lit_transformer.commands.cli import main
 from lit_transformer.errors import RunError
@@ -26,29 +27,8 @@ from lit_transformer.training.rundir import latest_checkpoint, read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 
-# The smallest settings that still train (a 300-token tokenizer on 150 kB of the embedded
-# corpus, blocks of 24, batch 3, one 24-wide layer), float32, dropout on so that resuming has
-# random draws to get right; no W&B, no sample generation.
-TINY = [
-    "tokenizer.vocab_size=300",
-    "tokenizer.max_train_bytes=150000",
-    "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000",
-    "data.block_size=24",
-    "data.batch_size=3",
-    "model.d_model=24",
-    "model.n_heads=2",
-    "model.d_ff=40",
-    "model.n_layers=1",
-    "model.dropout=0.1",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1",
-    "trainer.precision=32-true",
-    "trainer.num_threads=1",
-    "logger.wandb.mode=disabled",
-    "generation.enabled=false",
-    "optim.warmup_steps=2",
-]
+# dropout on, so that resuming has random draws to get right
+TINY = [*TINY_RUN, "model.dropout=0.1", "optim.warmup_steps=2"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
@@ -105,20 +85,44 @@ def tiny_run(tmp_path_factory):
 # ----------------------------------------------------------------------------- 1. crash safety
 
 CRASH = ["trainer.max_steps=12", "trainer.val_check_interval=12", "trainer.checkpoint_every_n_steps=4"]
+# The command line, with the checkpoint writer pausing for 120 s once last.ckpt of step 8 is
+# written and fsync'ed in its temporary file and before the rename: the window a kill must hit.
+PAUSED_CLI = """
+import os, sys, time, torch
+from lit_transformer.training import checkpoints
+from lit_transformer.commands.cli import main
+
+real_save = checkpoints.atomic_save
+
+def paused_save(obj, path, *, write=None):
+    if os.path.basename(path) != "last.ckpt" or obj.get("global_step") != 8:
+        return real_save(obj, path, write=write)
+
+    def write_then_pause(obj, file):
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+        time.sleep(120)
+
+    real_save(obj, path, write=write_then_pause)
+
+checkpoints.atomic_save = paused_save
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.mark.slow
 def test_kill_9_inside_a_checkpoint_write_then_resume_matches_an_uninterrupted_run(tmp_path):
     """The run is killed while last.ckpt of step 8 sits written and fsync'ed in its temporary
-    file, not yet renamed (the test hook holds that window open): step-8.ckpt is complete,
+    file, not yet renamed (PAUSED_CLI holds that window open): step-8.ckpt is complete,
     last.ckpt still says step 4. resume=auto must take step-8.ckpt, by step not by name, never
     the temporary file; the losses of the two segments equal an uninterrupted run's."""
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert main(pretrain(whole, *CRASH)) == 0
 
-    env = {**os.environ, checkpoints.PAUSE_ENV: "last.ckpt@8:120", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lit_transformer.commands.cli", *pretrain(killed, *CRASH)],
+        [sys.executable, "-c", PAUSED_CLI, *pretrain(killed, *CRASH)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -324,6 +328,28 @@ def test_damaged_checkpoints_are_one_line_errors_naming_the_file(damage, tiny_ru
     )
     assert main(args) == 2 and str(ckpt) in one_error_line(capsys)
     assert snapshot(tmp_path / "copy") == before
+
+
+def test_resume_auto_names_an_unreadable_newer_checkpoint_it_skips(tmp_path, capsys):
+    """Both step-4 files damaged: resume=auto goes back to step-2.ckpt, and says on stderr which
+    files it skipped and which it took (a silent resume from further back loses work unseen)."""
+    run = tmp_path / "run"
+    steps = ["trainer.max_steps=4", "trainer.val_check_interval=4", "trainer.checkpoint_every_n_steps=2"]
+    assert main(pretrain(run, *steps, "trainer.keep_checkpoints=2")) == 0
+    folder = run / "checkpoints"
+    good = (folder / "last.ckpt").read_bytes()
+    damaged = {"last.ckpt": good[: len(good) // 2], "step-4.ckpt": b"hello"}
+    for name, data in damaged.items():
+        (folder / name).write_bytes(data)
+    capsys.readouterr()
+    assert main(pretrain(run, *steps, "trainer.keep_checkpoints=2", "resume=auto")) == 0
+    out, err = capsys.readouterr()
+    taken = folder / "step-2.ckpt"
+    for name in damaged:
+        (note,) = [line for line in err.splitlines() if f"skipping {folder / name}," in line]
+        assert f"taking {taken} (step 2)" in note, note
+    assert f"continuing from {taken} (step 2)" in err and "skipping" not in out
+    assert checkpoint_step(latest_checkpoint(run)) == 4  # it trained on from step 2 and saved step 4 again
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not safetensors"])

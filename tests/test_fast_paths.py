@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import TINY_RUN, seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
@@ -180,15 +180,7 @@ def test_compile_runs_a_step_and_matches_eager():
 
 
 _RECIPE_RUN = [
-    "tokenizer.vocab_size=300",
-    "tokenizer.max_train_bytes=150000",
-    "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000",
-    "data.block_size=24",
-    "data.batch_size=3",
-    "model.d_model=24",
-    "model.n_heads=2",
-    "model.d_ff=40",
+    *TINY_RUN,
     "model.n_layers=2",
     "model.dropout=0.0",
     "optim.lr=1e-2",
@@ -196,11 +188,6 @@ _RECIPE_RUN = [
     "trainer.max_steps=3",
     "trainer.val_check_interval=3",
     "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.precision=32-true",
-    "trainer.num_threads=1",
-    "generation.enabled=false",
-    "logger.wandb.mode=disabled",
 ]
 
 
@@ -297,8 +284,7 @@ def test_all_ones_mask_and_shared_positions_take_the_fused_paths_with_the_same_r
     up once for the batch ((1, H, T, S) biases): both equal explicit masks and positions, which
     take the general paths."""
     cfg = tiny(arch, position=position, dropout=0.0, attention_dropout=0.0, type_vocab_size=2, lm_head="linear")
-    torch.manual_seed(0)
-    model = LanguageModel.from_config(cfg).eval()
+    model = seeded_model(cfg)
     stack = model.transformer.encoder if arch != "decoder" else model.transformer.decoder
     ids = torch.randint(4, V, (B, T))
     ones = torch.ones(B, T, dtype=torch.long)
@@ -449,6 +435,6 @@ def test_keep_freed_memory_is_a_trainer_callback_unless_turned_off(tmp_path):
     from lit_transformer.training.trainer import build_callbacks
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "tiny-clm.yaml"
-    kinds = lambda cfg: [type(c) for c in build_callbacks(cfg, tmp_path, progress_bar=False)]  # noqa: E731
+    kinds = lambda cfg: [type(c) for c in build_callbacks(cfg.trainer, tmp_path, progress_bar=False)]  # noqa: E731
     assert KeepFreedMemory in kinds(load_recipe(recipe))
     assert KeepFreedMemory not in kinds(load_recipe(recipe, ["trainer.keep_freed_memory=false"]))

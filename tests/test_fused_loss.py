@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from helpers import tiny_config
 
 from lit_transformer.model import TransformerConfig
 from lit_transformer.objectives import CausalLM, Seq2SeqLM, fused_loss

@@ -11,8 +11,9 @@ import os
 
 import pytest
 import torch
+from helpers import seeded_model
 
-from lit_transformer.model import LanguageModel, preset
+from lit_transformer.model import preset
 from lit_transformer.model.generate import (
     GenerationConfig,
     StepDecoder,
@@ -73,11 +74,6 @@ LENGTHS = (7, 4, 6)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_model(kind: str, seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)
-    return LanguageModel.from_config(CONFIGS[kind]()).eval()
-
-
 def prompts(seed: int = 1, lengths=LENGTHS, side: str = "right"):
     """A padded batch (3, 7) of prompts with the given real lengths; padding id 0."""
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +105,7 @@ def sequence_logprob(model, prompt: torch.Tensor, tokens: torch.Tensor) -> torch
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_kv_cache_equals_recomputation(kind):
-    model = make_model(kind)
+    model = seeded_model(CONFIGS[kind]())
     ids, mask = prompts()
     cached = generate(model, ids, mask, max_new_tokens=10)
     recomputed = generate(model, ids, mask, max_new_tokens=10, use_cache=False)
@@ -129,7 +125,7 @@ def test_kv_cache_equals_recomputation(kind):
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_padding_invariance(kind):
-    model = make_model(kind)
+    model = seeded_model(CONFIGS[kind]())
     right_ids, right_mask = prompts(side="right")
     left_ids, left_mask = prompts(side="left")
     batch_right = new_tokens(model, generate(model, right_ids, right_mask, max_new_tokens=8), 7)
@@ -141,7 +137,7 @@ def test_padding_invariance(kind):
 
 
 def test_prompt_is_returned_left_padded():
-    model = make_model("learned")
+    model = seeded_model(CONFIGS["learned"]())
     ids, mask = prompts(side="right")
     out = generate(model, ids, mask, max_new_tokens=3)
     expected_ids, expected_mask = left_pad(ids, mask, 0)
@@ -155,7 +151,7 @@ def test_prompt_is_returned_left_padded():
 
 @pytest.mark.parametrize("kind", ["rope_gqa", "t5_relative"])
 def test_beam_width_one_equals_greedy(kind):
-    model = make_model(kind)
+    model = seeded_model(CONFIGS[kind]())
     ids, mask = prompts()
     greedy = generate(model, ids, mask, max_new_tokens=9)
     # eos = a token greedy emits mid-way for row 0, so the eos branch of beam search runs.
@@ -173,7 +169,7 @@ def test_beam_search_two_steps(kind):
     """Two new tokens: width 4 keeps greedy's first token, so its best sequence is at least
     greedy's; width V (every first token kept) is exhaustive, including an eos hypothesis of
     length 1 scored with the length penalty."""
-    model = make_model(kind)
+    model = seeded_model(CONFIGS[kind]())
     ids, mask = prompts()
     greedy = new_tokens(model, generate(model, ids, mask, max_new_tokens=2), 7)
     beam4 = new_tokens(model, generate(model, ids, mask, max_new_tokens=2, num_beams=4, length_penalty=0.0), 7)
@@ -210,7 +206,7 @@ def test_beam_search_two_steps(kind):
 
 @pytest.mark.parametrize("kind", ["alibi", "t5_relative"])
 def test_beam_search_cache_equals_recomputation(kind):
-    model = make_model(kind)
+    model = seeded_model(CONFIGS[kind]())
     ids, mask = prompts()
     greedy = generate(model, ids, mask, max_new_tokens=8)
     eos = int(new_tokens(model, greedy, 7)[1, 2])
@@ -226,7 +222,7 @@ def test_beam_search_cache_equals_recomputation(kind):
 
 @pytest.mark.parametrize("several", [False, True])
 def test_eos_stops_row_and_pads(several):
-    model = make_model("rope_gqa")
+    model = seeded_model(CONFIGS["rope_gqa"]())
     ids, mask = prompts()
     free = new_tokens(model, generate(model, ids, mask, max_new_tokens=12), 7)
     eos = [int(free[0, 2]), int(free[2, 5])] if several else int(free[0, 2])
@@ -244,7 +240,7 @@ def test_eos_stops_row_and_pads(several):
 
 
 def test_sampling_seeded():
-    model = make_model("learned")
+    model = seeded_model(CONFIGS["learned"]())
     ids, mask = prompts()
     greedy = generate(model, ids, mask, max_new_tokens=10)
 
@@ -282,7 +278,7 @@ def _reference_distribution(logits: torch.Tensor, temperature: float, top_k, top
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, None, None), (1.3, 20, 0.8)])
 def test_sampling_distribution(temperature, top_k, top_p):
     """Empirical first-token frequencies over 20000 draws match the filtered softmax."""
-    model = make_model("learned")
+    model = seeded_model(CONFIGS["learned"]())
     prompt = prompts()[0][:1]  # (1, 7)
     with torch.no_grad():
         logits = model(prompt)[0, -1]
@@ -307,17 +303,16 @@ def test_sampling_distribution(temperature, top_k, top_p):
 
 def test_errors():
     ids, mask = prompts()
-    torch.manual_seed(0)
-    encoder = LanguageModel.from_config(
+    encoder = seeded_model(
         preset("bert-base", vocab_size=V, d_model=48, n_heads=3, n_layers=1, d_ff=74, max_seq_len=32)
     )
     with pytest.raises(ValueError, match="encoder"):
         generate(encoder, ids, mask, max_new_tokens=3)
-    model = make_model("learned")  # max_seq_len 64, longest prompt 7
+    model = seeded_model(CONFIGS["learned"]())  # max_seq_len 64, longest prompt 7
     with pytest.raises(ValueError, match="max_seq_len=64"):
         generate(model, ids, mask, max_new_tokens=58)
     assert generate(model, ids, mask, max_new_tokens=57).shape[1] == 7 + 57
-    generate(make_model("rope_gqa"), ids, mask, max_new_tokens=70)  # rope has no table to overrun
+    generate(seeded_model(CONFIGS["rope_gqa"]()), ids, mask, max_new_tokens=70)  # rope has no table to overrun
     with pytest.raises(ValueError, match="beam"):
         generate(model, ids, mask, max_new_tokens=3, num_beams=2, do_sample=True)
     with pytest.raises(ValueError, match="no real token"):
@@ -325,7 +320,7 @@ def test_errors():
 
 
 def test_restores_training_mode():
-    model = make_model("learned").train()  # dropout 0.1 in the preset: generation must turn it off
+    model = seeded_model(CONFIGS["learned"]()).train()  # dropout 0.1 in the preset: generation must turn it off
     ids, mask = prompts()
     first = generate(model, ids, mask, max_new_tokens=6)
     assert model.training

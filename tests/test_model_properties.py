@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import seeded_model, tiny_config
 
 from lit_transformer.model import ConfigError, LanguageModel, TransformerConfig, init_weights, preset
 from lit_transformer.model.attention import Attention
@@ -19,11 +19,6 @@ def tiny(arch="decoder", position="learned", **kw) -> TransformerConfig:
     return tiny_config(arch, position=position, **kw)
 
 
-def build(cfg, seed=0) -> LanguageModel:
-    torch.manual_seed(seed)
-    return LanguageModel.from_config(cfg).eval()
-
-
 def forward(model, ids, mask=None, dec=None, dec_mask=None):
     if model.config.arch == "encoder_decoder":
         return model(ids, mask, decoder_input_ids=dec if dec is not None else ids, decoder_attention_mask=dec_mask)
@@ -34,7 +29,7 @@ def forward(model, ids, mask=None, dec=None, dec_mask=None):
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
 def test_causality_by_gradients(position, impl):
     """d output[t] / d embedding[t'] is exactly zero for every t' > t."""
-    model = build(tiny("decoder", position, attention_impl=impl, n_kv_heads=1))
+    model = seeded_model(tiny("decoder", position, attention_impl=impl, n_kv_heads=1))
     captured = {}
 
     def keep(module, inputs, output):
@@ -55,7 +50,7 @@ def test_causality_by_gradients(position, impl):
 @pytest.mark.parametrize("arch", ["encoder", "decoder", "encoder_decoder"])
 @pytest.mark.parametrize("position", POSITIONS)
 def test_right_padding_does_not_change_unpadded_outputs(arch, position):
-    model = build(tiny(arch, position, type_vocab_size=2 if arch == "encoder" else 0))
+    model = seeded_model(tiny(arch, position, type_vocab_size=2 if arch == "encoder" else 0))
     lengths = [T, 4, 2]
     ids = torch.randint(1, V, (B, T))
     mask = torch.zeros(B, T, dtype=torch.long)
@@ -71,7 +66,7 @@ def test_right_padding_does_not_change_unpadded_outputs(arch, position):
 @pytest.mark.parametrize("position", ["learned", "rope", "alibi", "sinusoidal"])
 def test_left_padding_with_position_ids_matches_unpadded(position):
     """Left-padded prompts (generation) give the same outputs when positions skip the pads."""
-    model = build(tiny("decoder", position))
+    model = seeded_model(tiny("decoder", position))
     ids = torch.randint(1, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, :3] = 0
@@ -86,12 +81,12 @@ def test_left_padding_with_position_ids_matches_unpadded(position):
 
 @pytest.mark.parametrize("norm_position", ["pre", "post"])
 def test_no_positions_means_permutation_equivariance(norm_position):
-    model = build(tiny("encoder", "none", norm_position=norm_position))
+    model = seeded_model(tiny("encoder", "none", norm_position=norm_position))
     ids = torch.randint(0, V, (B, T))
     perm = torch.randperm(T)
     torch.testing.assert_close(model(ids)[:, perm], model(ids[:, perm]), atol=1e-5, rtol=1e-5)
     # ...and positions break it: the same check with learned positions must fail.
-    positioned = build(tiny("encoder", "learned"))
+    positioned = seeded_model(tiny("encoder", "learned"))
     assert not torch.allclose(positioned(ids)[:, perm], positioned(ids[:, perm]), atol=1e-3)
 
 
@@ -136,8 +131,8 @@ def test_attention_heads_equal_an_explicit_reference(n_kv_heads, impl):
 def test_gqa_equals_mha_with_shared_key_value_heads(impl):
     """GQA with K groups is MHA whose key/value heads are copied within each group of H/K heads."""
     H, K, D = 6, 2, 4
-    gqa = build(tiny("decoder", "rope", d_model=24, n_heads=H, n_kv_heads=K, attention_impl=impl))
-    mha = build(tiny("decoder", "rope", d_model=24, n_heads=H, attention_impl=impl))
+    gqa = seeded_model(tiny("decoder", "rope", d_model=24, n_heads=H, n_kv_heads=K, attention_impl=impl))
+    mha = seeded_model(tiny("decoder", "rope", d_model=24, n_heads=H, attention_impl=impl))
     state = gqa.state_dict()
     for name, value in list(state.items()):
         if name.endswith(("attn.k.weight", "attn.v.weight", "attn.k.bias", "attn.v.bias")):
@@ -152,7 +147,7 @@ def test_gqa_equals_mha_with_shared_key_value_heads(impl):
 @pytest.mark.parametrize("position", POSITIONS)
 def test_sdpa_path_equals_math_path(arch, position):
     cfg = tiny(arch, position, n_heads=4, n_kv_heads=2, d_model=32)
-    sdpa, math_path = build(cfg), build(cfg.replace(attention_impl="math"))
+    sdpa, math_path = seeded_model(cfg), seeded_model(cfg.replace(attention_impl="math"))
     ids = torch.randint(1, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1, 5:] = 0
@@ -181,7 +176,7 @@ def test_alibi_slopes_follow_the_paper():
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 def test_every_block_variant_builds_runs_and_learns(activation, norm):
     cfg = tiny("decoder", "rope", activation=activation, norm=norm, bias=False, tie_embeddings=False)
-    model = build(cfg).train()
+    model = seeded_model(cfg).train()
     ids = torch.randint(0, V, (B, T))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
@@ -195,14 +190,14 @@ def test_every_block_variant_builds_runs_and_learns(activation, norm):
 
 
 def test_tied_head_shares_the_embedding_and_untied_does_not():
-    tied = build(tiny(tie_embeddings=True))
+    tied = seeded_model(tiny(tie_embeddings=True))
     assert tied.lm_head.decoder.weight is tied.transformer.tokens.weight
-    untied = build(tiny(tie_embeddings=False))
+    untied = seeded_model(tiny(tie_embeddings=False))
     assert untied.lm_head.decoder.weight is not untied.transformer.tokens.weight
 
 
 def test_encoder_decoder_stacks_share_the_token_embedding():
-    model = build(tiny("encoder_decoder", "t5_relative", n_decoder_layers=3))
+    model = seeded_model(tiny("encoder_decoder", "t5_relative", n_decoder_layers=3))
     t = model.transformer
     assert t.encoder.embed.tokens is t.decoder.embed.tokens is t.tokens
     assert len(t.encoder.blocks) == 2 and len(t.decoder.blocks) == 3
@@ -239,7 +234,7 @@ def test_big_presets_build_on_meta_with_published_sizes():
 
 
 def test_learned_positions_past_the_table_fail_clearly():
-    model = build(tiny(max_seq_len=8))
+    model = seeded_model(tiny(max_seq_len=8))
     with pytest.raises(ValueError, match="max_seq_len=8"):
         model(torch.randint(0, V, (1, 9)))
 

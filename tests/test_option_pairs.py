@@ -50,6 +50,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_RUN, keyword_task
 
 from lit_transformer.commands.cli import main
 from lit_transformer.training.rundir import read_metrics
@@ -149,19 +150,14 @@ FINETUNE_FROM = {
 GENERATIVE = ("clm", "span", "seq2seq")
 
 STEPS, MORE = 5, 10  # stop after STEPS, resume to MORE; validation and a checkpoint every 5 steps
+# TINY_RUN with batch 4 and room for seq2seq and classification rows; each row sets its
+# vocabulary, precision and generation (overrides())
 SMALL = [
-    "tokenizer.max_train_bytes=150000",
-    "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000",
-    "data.block_size=24",
+    *TINY_RUN,
     "data.batch_size=4",
     "data.max_length=24",
     "data.max_target_length=8",
     "data.shuffle_buffer=64",
-    "model.d_model=24",
-    "model.n_heads=2",
-    "model.d_ff=40",
-    "model.n_layers=1",
     "model.max_seq_len=32",
     "model.dropout=0.0",
     # a high constant learning rate without warmup: the loss falls within a few steps
@@ -171,13 +167,9 @@ SMALL = [
     "trainer.val_check_interval=5",
     "trainer.checkpoint_every_n_steps=5",
     "trainer.limit_val_batches=1",
-    "trainer.log_every_n_steps=1",
-    "trainer.num_threads=1",
-    "trainer.accelerator=cpu",
     "objective.bleu_batches=1",
     "generation.max_new_tokens=4",
     "generation.num_prompts=2",
-    "logger.wandb.mode=disabled",
 ]
 VOCAB = {"mlm": 400, "clm": 400, "span": 420, "seq2seq": 400, "classify": 400}  # span adds sentinels
 ON = {"on": "true", "off": "false"}
@@ -325,10 +317,7 @@ def check_export(row: Row, run_dir: Path, out: Path) -> None:
     from lit_transformer.model.interop import load_pretrained
 
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    try:
-        import transformers
-    except ImportError:  # the dev extra has it; without it the files are all there is to check
-        return
+    transformers = pytest.importorskip("transformers", reason="reading the export back needs the dev extra")
     ours = load_pretrained(run_dir).float().eval()
     theirs = getattr(transformers, HF_CLASS[row.objective]).from_pretrained(out).float().eval()
     ids = torch.randint(5, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
@@ -370,7 +359,8 @@ def follow_up(row: Row, run_dir: Path, tmp: Path, capsys) -> None:
 
 
 def finetune(source: Path, run_dir: Path, capsys) -> None:
-    """A classifier fine-tuned from the run: its backbone config, attention options included."""
+    """A classifier fine-tuned from the run learns a keyword task (chance 1/3) through the
+    backbone, whose config it keeps, attention options included."""
     from lit_transformer.model.interop import load_pretrained
 
     args = [
@@ -378,19 +368,20 @@ def finetune(source: Path, run_dir: Path, capsys) -> None:
         str(RECIPES / "tiny-classify-from-pretrained.yaml"),
         f"finetune.from={source}",
         f"run.dir={run_dir}",
+        *keyword_task(run_dir.parent / "keywords"),
         "data.max_length=24",
-        "data.batch_size=4",
-        "trainer.max_steps=2",
-        "trainer.val_check_interval=2",
-        "trainer.limit_val_batches=1",
+        "data.batch_size=16",
+        "optim.lr=3e-2",
+        "optim.warmup_steps=0",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=40",
         "trainer.num_threads=1",
         "trainer.precision=32-true",
-        "optim.warmup_steps=0",
         "logger.wandb.mode=disabled",
     ]
     assert main(args) == 0
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert 0.0 <= metrics["val/accuracy"] <= 1.0 and math.isfinite(metrics["val/loss"]), metrics
+    assert metrics["val/accuracy"] >= 0.7 and math.isfinite(metrics["val/loss"]), metrics
     assert (run_dir / "classifier.safetensors").is_file()
     pretrained, tuned = load_pretrained(source).config, load_pretrained(run_dir).config
     for key in ("arch", "d_model", "sliding_window", "global_tokens", "attention_kind"):

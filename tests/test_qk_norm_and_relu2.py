@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from helpers import seeded_model, tiny_config
 
-from lit_transformer.model import LanguageModel, TransformerConfig
+from lit_transformer.model import LanguageModel
 from lit_transformer.model import attention as attention_module
 from lit_transformer.model.accounting import count_parameters, parameter_breakdown
 from lit_transformer.model.attention import Attention
@@ -23,11 +23,6 @@ from lit_transformer.model.positions import rope_cos_sin
 B, T, V = 3, 7, 99
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def build(cfg: TransformerConfig, seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)
-    return LanguageModel.from_config(cfg).eval()
 
 
 def capture_attend(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +81,7 @@ def test_qk_norm_gives_queries_and_keys_unit_rms_per_head(monkeypatch, impl):
 
 def test_qk_norm_keeps_the_autocast_dtype(monkeypatch):
     # The float32 scale must not promote bf16 queries and keys (attention._normed).
-    model = build(tiny_config("encoder_decoder", position="rope", norm="rmsnorm", qk_norm=True))
+    model = seeded_model(tiny_config("encoder_decoder", position="rope", norm="rmsnorm", qk_norm=True))
     seen = capture_attend(monkeypatch)
     ids = torch.randint(0, V, (B, T))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -100,7 +95,7 @@ def test_qk_norm_keeps_the_autocast_dtype(monkeypatch):
 )
 def test_qk_norm_changes_outputs_with_the_same_weights(arch, position):
     cfg = tiny_config(arch, position=position, init_std=0.2)
-    plain = build(cfg)
+    plain = seeded_model(cfg)
     normed = LanguageModel(cfg.replace(qk_norm=True)).eval()
     missing, unexpected = normed.load_state_dict(plain.state_dict(), strict=False)
     assert not unexpected and missing and all(name.endswith(("q_norm.weight", "k_norm.weight")) for name in missing)
@@ -118,7 +113,7 @@ def test_qk_norm_changes_outputs_with_the_same_weights(arch, position):
 @pytest.mark.parametrize("impl", ["sdpa", "math"])
 def test_qk_norm_keeps_causality(impl):
     """d output[t] / d embedding[t'] is exactly zero for every t' > t."""
-    model = build(tiny_config("decoder", position="rope", qk_norm=True, attention_impl=impl, n_kv_heads=1))
+    model = seeded_model(tiny_config("decoder", position="rope", qk_norm=True, attention_impl=impl, n_kv_heads=1))
     captured = {}
 
     def keep(module, inputs, output):
@@ -144,7 +139,7 @@ QK_GENERATION = {
 
 @pytest.mark.parametrize("kind", list(QK_GENERATION))
 def test_qk_norm_kv_cache_generation_equals_recomputation(kind):
-    model = build(tiny_config(qk_norm=True, init_std=0.2, **QK_GENERATION[kind]))
+    model = seeded_model(tiny_config(qk_norm=True, init_std=0.2, **QK_GENERATION[kind]))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
@@ -182,8 +177,7 @@ def test_relu2_feed_forward_is_squared_relu():
 
 def test_relu2_model_trains():
     cfg = tiny_config("decoder", position="rope", activation="relu2", qk_norm=True, bias=False)
-    torch.manual_seed(0)
-    model = LanguageModel.from_config(cfg).train()
+    model = seeded_model(cfg).train()
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []

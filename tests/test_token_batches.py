@@ -106,7 +106,7 @@ def test_batch_tokens_refused_where_it_does_not_apply(recipe, extra, message, tm
 
 @pytest.mark.slow
 def test_token_batched_run_resumes_exactly(tmp_path, private_cache):
-    from conftest import StopAt, losses
+    from helpers import StopAt, losses
     from test_cli import RECIPES, SMALL
 
     from lit_transformer.commands.train import train
@@ -119,8 +119,6 @@ def test_token_batched_run_resumes_exactly(tmp_path, private_cache):
         "trainer.max_steps=6",
         "trainer.val_check_interval=3",
         "trainer.checkpoint_every_n_steps=3",
-        "trainer.num_threads=1",
-        "logger.wandb.mode=disabled",
         "generation.enabled=false",
         "trainer.precision=32-true",
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import StopAt, losses
+from helpers import TINY_RUN, StopAt, losses
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
@@ -21,26 +21,15 @@ from lit_transformer.training.rundir import read_metrics
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
-# The smallest settings that still train: a 300-token tokenizer on 150 kB of the embedded
-# corpus, blocks of 24 tokens, batch 3, one 24-wide layer. Dropout on, so that resuming has
-# random draws to get right.
+# Dropout on, so that resuming has random draws to get right; W&B offline and sample generation
+# on, since this file checks what they write.
 TINY = [
-    "tokenizer.vocab_size=300",
-    "tokenizer.max_train_bytes=150000",
-    "data.max_train_bytes=150000",
-    "data.max_val_bytes=20000",
-    "data.block_size=24",
-    "data.batch_size=3",
-    "model.d_model=24",
-    "model.n_heads=2",
-    "model.d_ff=40",
-    "model.n_layers=1",
+    *TINY_RUN,
     "model.dropout=0.1",
-    "trainer.limit_val_batches=2",
-    "trainer.log_every_n_steps=1",
+    "logger.wandb.mode=offline",
+    "generation.enabled=true",
     "generation.max_new_tokens=4",
     "generation.num_prompts=2",
-    "trainer.precision=32-true",
 ]
 
 

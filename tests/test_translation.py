@@ -13,10 +13,10 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import seeded_model, tiny_config
 
 from lit_transformer.commands.cli import main
-from lit_transformer.model import LanguageModel
+from lit_transformer.model import TransformerConfig
 from lit_transformer.model.generate import generate
 
 V = 99
@@ -27,10 +27,9 @@ EOS = list(range(2, 14))  # a dozen eos ids: hypotheses end at different lengths
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_model(arch: str, seed: int = 0) -> LanguageModel:
-    torch.manual_seed(seed)
+def config(arch: str) -> TransformerConfig:
     extra = dict(position="sinusoidal", norm_position="post") if arch == "encoder_decoder" else dict(position="rope")
-    return LanguageModel.from_config(tiny_config(arch, vocab_size=V, init_std=0.3, **extra)).eval()
+    return tiny_config(arch, vocab_size=V, init_std=0.3, **extra)
 
 
 def batch(lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
@@ -62,7 +61,7 @@ def new_tokens(model, out: torch.Tensor, width: int, row: int) -> list[int]:
 @pytest.mark.parametrize("arch", ["encoder_decoder", "decoder"])
 @pytest.mark.parametrize("normalization,alpha", [("gnmt", 0.6), ("power", 1.0), ("gnmt", 0.0)])
 def test_batched_beam_search_equals_one_at_a_time(arch, normalization, alpha):
-    model = make_model(arch)
+    model = seeded_model(config(arch))
     rows = batch()
     options = dict(
         max_new_tokens=9,
@@ -82,7 +81,7 @@ def test_batched_beam_search_equals_one_at_a_time(arch, normalization, alpha):
 
 @pytest.mark.parametrize("arch", ["encoder_decoder", "decoder"])
 def test_beam_width_one_equals_greedy_in_a_padded_batch(arch):
-    model = make_model(arch, seed=3)
+    model = seeded_model(config(arch), seed=3)
     ids, mask = padded(batch(seed=4))
     common = dict(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD, decoder_start_token_id=PAD)
     greedy = generate(model, ids, mask, **common)
@@ -93,7 +92,7 @@ def test_beam_width_one_equals_greedy_in_a_padded_batch(arch):
 def test_gnmt_normalisation_prefers_longer_hypotheses_than_none():
     """alpha = 0 scores by summed log-probability (short hypotheses win); GNMT's alpha > 0
     divides by ((5 + |Y|) / 6) ** alpha, so hypotheses can only get longer on average."""
-    model = make_model("encoder_decoder", seed=5)
+    model = seeded_model(config("encoder_decoder"), seed=5)
     ids, mask = padded(batch((6, 4, 5, 3, 7, 2), seed=6))
     common = dict(
         max_new_tokens=12,

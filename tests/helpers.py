@@ -1,0 +1,104 @@
+"""Helpers shared by the test files (`from helpers import ...`); fixtures live in conftest.py.
+
+pytest's default import mode ("prepend") puts this folder on sys.path, as the folder of
+conftest.py and of the test files, whether pytest starts from the repository root or tests/.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lit_transformer.model import LanguageModel
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.training.rundir import read_metrics
+
+V = 99  # odd tiny vocabulary: a transposed axis crashes instead of broadcasting
+
+# The smallest recipe run that still trains: a 300-token tokenizer on 150 kB of the embedded
+# corpus, blocks of 24 tokens, batch 3, one 24-wide layer, float32 on the CPU; no W&B, no
+# sample generation. Files that need more say so after it (`[*TINY_RUN, ...]`): in a recipe's
+# overrides the later value of a key wins.
+TINY_RUN = [
+    "tokenizer.vocab_size=300",
+    "tokenizer.max_train_bytes=150000",
+    "data.max_train_bytes=150000",
+    "data.max_val_bytes=20000",
+    "data.block_size=24",
+    "data.batch_size=3",
+    "model.d_model=24",
+    "model.n_heads=2",
+    "model.d_ff=40",
+    "model.n_layers=1",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.precision=32-true",
+    "trainer.num_threads=1",
+    "trainer.accelerator=cpu",
+    "logger.wandb.mode=disabled",
+    "generation.enabled=false",
+]
+
+
+def tiny_config(arch: str = "decoder", **overrides) -> TransformerConfig:
+    """An odd-sized tiny model config."""
+    values = dict(
+        arch=arch,
+        vocab_size=V,
+        d_model=24,
+        n_heads=3,
+        n_layers=2,
+        d_ff=37,
+        max_seq_len=32,
+        relative_buckets=8,
+        relative_max_distance=16,
+    )
+    return TransformerConfig(**{**values, **overrides})
+
+
+def seeded_model(cfg: TransformerConfig, seed: int = 0) -> LanguageModel:
+    """`LanguageModel(cfg)` in eval mode, its weights drawn from `seed` alone."""
+    torch.manual_seed(seed)
+    return LanguageModel.from_config(cfg).eval()
+
+
+class StopAt(Callback):
+    """Interrupt training after `step` optimizer steps, as a killed job would be."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """{step: train/loss} over every CSV version of a run."""
+    return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+FILLER = "the a of to and in is that it for on with as by at from this be or an".split()
+# The label is the keyword's; each keyword has a letter that no filler word has (j, p, z), so
+# that a tiny tokenizer's character-level pieces still give it away.
+KEYWORDS = {"jug": "kitchen", "plug": "socket", "zulu": "language"}
+
+
+def keyword_task(folder: Path, train: int = 240, val: int = 60) -> list[str]:
+    """A classification set that a few steps learn: each text is filler words around one keyword,
+    and the keyword alone decides the label (chance is 1/3). Returns the data overrides."""
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("val", val)):
+        lines = []
+        for _ in range(rows):
+            keyword = rng.choice(sorted(KEYWORDS))
+            words = rng.choices(FILLER, k=rng.randint(2, 5))
+            words.insert(rng.randint(0, len(words)), keyword)
+            lines.append(json.dumps({"text": " ".join(words), "label": KEYWORDS[keyword]}))
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return [f"data.train_files=[{folder / 'train.jsonl'}]", f"data.val_files=[{folder / 'val.jsonl'}]"]
