@@ -234,7 +234,8 @@ def hf_inputs(setup: Setup, batch: dict[str, torch.Tensor]) -> dict:
 
 def load_ours_into_hf(ours, hf_model) -> None:
     """Our weights in transformers' names (interop's export mapping)."""
-    from lit_transformer.model.interop_maps import family_for_export, to_hf
+    from lit_transformer.model.interop_maps import family_for_export
+    from lit_transformer.model.interop_rules import to_hf
 
     family = family_for_export(ours.config)
     state = dict(ours.state_dict())

@@ -32,7 +32,8 @@ from safetensors.torch import load_file, save_file
 
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.init import init_weights
-from lit_transformer.model.interop_maps import FAMILIES, Family, InteropError, family_for_export, to_core, to_hf
+from lit_transformer.model.interop_maps import FAMILIES, family_for_export
+from lit_transformer.model.interop_rules import Family, InteropError, to_core, to_hf
 from lit_transformer.model.language_model import LanguageModel
 
 __all__ = ["InteropError", "export_hf", "load_pretrained", "save_pretrained"]
