@@ -1,4 +1,4 @@
-"""Generation speed with and without the KV cache (issue 5's target: the cache is at least 5x
+"""Generation speed with and without the KV cache (the target: the cache is at least 5x
 faster than recomputing the whole sequence every step, for 512 new tokens).
 
 A GPT-2-small-class decoder (vocabulary 50257, d_model 768, 12 heads, d_ff 3072, learned

@@ -7,55 +7,21 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import TINY_RUN, keyword_task
+from helpers import RECIPES, SMALL, VOCAB, keyword_task, pretrain_args
 
 from lit_transformer.commands.cli import main
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 COMMANDS = ("pretrain", "finetune", "prepare", "evaluate", "generate", "info", "average", "export")
-
-# A few steps of each tiny recipe at TINY_RUN's sizes, warmup off so that 6 steps move the loss;
-# the objective's default precision and sample generation on, as a user's run has them.
-SMALL = [
-    *TINY_RUN,
-    "data.batch_size=4",
-    "data.max_length=24",
-    "data.max_target_length=8",
-    "model.max_seq_len=32",
-    "optim.lr=1e-2",
-    "optim.warmup_steps=0",
-    "trainer.max_steps=10",
-    "trainer.val_check_interval=5",
-    "trainer.checkpoint_every_n_steps=5",
-    "trainer.precision=null",
-    "objective.bleu_batches=1",
-    "generation.enabled=true",
-    "generation.max_new_tokens=4",
-    "generation.num_prompts=2",
-]
-VOCAB = {"tiny-mlm": 400, "tiny-clm": 400, "tiny-span": 420, "tiny-seq2seq": 400, "tiny-classify": 400}
 TINY = tuple(VOCAB)
 
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "private_cache"), pytest.mark.slow]  # trains every tiny recipe
-
-
-def pretrain_args(name: str, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "pretrain",
-        str(RECIPES / f"{name}.yaml"),
-        *SMALL,
-        f"tokenizer.vocab_size={VOCAB[name]}",
-        f"run.dir={run_dir}",
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN
+from helpers import RECIPES, TINY_RUN
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
@@ -28,7 +28,6 @@ from lit_transformer.recipe.load import load_recipe
 
 pytestmark = pytest.mark.distributed
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq", "unilm", "ul2")  # the last two: mixtures of tasks
 # span corruption of 24-token blocks has one noise span and nothing random left to draw: 48 has two
 EXTRA = {"span": ["data.block_size=48"], "ul2": ["data.block_size=48"]}

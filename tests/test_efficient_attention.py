@@ -412,7 +412,7 @@ def test_each_efficient_attention_recipe_trains_a_few_steps(name, tmp_path):
     import math
     from pathlib import Path
 
-    from test_cli import SMALL  # the tiny runs' small sizes (about 3 s a recipe)
+    from helpers import SMALL  # the tiny runs' small sizes (about 3 s a recipe)
 
     from lit_transformer.commands.cli import main
 

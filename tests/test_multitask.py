@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, StopAt, keyword_task
+from helpers import RECIPES, TINY_RUN, StopAt, keyword_task
 from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.commands.cli import main
@@ -19,7 +19,6 @@ from lit_transformer.recipe.load import RecipeError, load_recipe
 
 pytestmark = pytest.mark.slow
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # tiny and deterministic: no dropout, validation every 3 steps on 2 batches; blocks, model and
 # vocabulary a little larger than TINY_RUN's
 COMMON = [

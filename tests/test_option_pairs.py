@@ -50,12 +50,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, keyword_task
+from helpers import RECIPES, TINY_RUN, keyword_task
 
 from lit_transformer.commands.cli import main
 from lit_transformer.training.rundir import read_metrics
-
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import RECIPES
 
 from lit_transformer.commands.cli import main
 from lit_transformer.errors import RecipeError
 from lit_transformer.recipe.load import load_recipe, longest_input, model_config
 from lit_transformer.training import preflight
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 GiB = 1 << 30
 
 

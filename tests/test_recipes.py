@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import RECIPES
 
 from lit_transformer.model.config import TransformerConfig, preset
 from lit_transformer.model.language_model import LanguageModel
@@ -20,7 +21,6 @@ from lit_transformer.recipe.load import (
     to_dict,
 )
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 ALL = sorted(RECIPES.glob("*.yaml"))
 PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer vocabulary)
     "bert-base-mlm": (108, 111),  # Devlin et al. 2019: 110M

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli import pretrain_args
+from helpers import pretrain_args
 
 from lit_transformer.commands.cli import main
 

@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from test_cli import pretrain_args
+from helpers import pretrain_args
 
 from lit_transformer.commands.cli import main
 from lit_transformer.training.rundir import read_metrics

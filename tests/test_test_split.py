@@ -9,12 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
-from helpers import TINY_RUN
+from helpers import RECIPES, TINY_RUN
 
 from lit_transformer.commands.cli import main
 from lit_transformer.training.rundir import read_metrics
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 # TINY_RUN for 3 steps, validated (and tested) at the last
 TINY = [
     *TINY_RUN,

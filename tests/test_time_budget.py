@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_RUN, StopAt, losses, tiny_config
+from helpers import RECIPES, TINY_RUN, StopAt, losses, tiny_config
 from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.commands.train import train
@@ -32,7 +32,6 @@ from lit_transformer.recipe.load import RecipeError, load_recipe
 from lit_transformer.recipe.schema import OptimConfig
 from lit_transformer.training.rundir import read_metrics
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TINY = [*TINY_RUN, "model.dropout=0.1"]  # dropout on: resuming has random draws to get right
 
 

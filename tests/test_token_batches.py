@@ -96,7 +96,7 @@ def test_seq2seq_module_batches_by_tokens(tmp_path):
     ],
 )
 def test_batch_tokens_refused_where_it_does_not_apply(recipe, extra, message, tmp_path, capsys):
-    from test_cli import RECIPES
+    from helpers import RECIPES
 
     args = ["pretrain", str(RECIPES / f"{recipe}.yaml"), "data.batch_tokens=512", *extra, f"run.dir={tmp_path / 'r'}"]
     assert main(args) == 2
@@ -106,8 +106,7 @@ def test_batch_tokens_refused_where_it_does_not_apply(recipe, extra, message, tm
 
 @pytest.mark.slow
 def test_token_batched_run_resumes_exactly(tmp_path, private_cache):
-    from helpers import StopAt, losses
-    from test_cli import RECIPES, SMALL
+    from helpers import RECIPES, SMALL, StopAt, losses
 
     from lit_transformer.commands.train import train
     from lit_transformer.recipe.load import load_recipe

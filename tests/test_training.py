@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, StopAt, losses
+from helpers import RECIPES, TINY_RUN, StopAt, losses
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
-
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 # Dropout on, so that resuming has random draws to get right; W&B offline and sample generation
 # on, since this file checks what they write.

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from helpers import seeded_model, tiny_config
+from helpers import RECIPES, SMALL, seeded_model, tiny_config  # SMALL: the CLI tests' tiny-run settings
 
 from lit_transformer.commands.cli import main
 from lit_transformer.model import TransformerConfig
@@ -109,8 +109,6 @@ def test_gnmt_normalisation_prefers_longer_hypotheses_than_none():
 
 
 # ----------------------------------------------------------------------------- end to end on tiny runs
-
-from test_cli import RECIPES, SMALL  # noqa: E402  (the tiny-run settings the CLI tests use)
 
 
 @pytest.fixture(scope="module")
