@@ -101,6 +101,28 @@ def seeded_model(cfg: TransformerConfig, seed: int = 0) -> LanguageModel:
     return LanguageModel.from_config(cfg).eval()
 
 
+def assert_causal(model: LanguageModel, batch: int = 3, length: int = 7) -> None:
+    """d output[t] / d embedding[t'] is exactly zero for every t' > t, and not zero for some t' <= t
+    (a decoder's causality, asserted through its gradients)."""
+    captured = {}
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        captured["x"] = output
+
+    hook = model.transformer.decoder.embed.register_forward_hook(keep)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length))
+    try:
+        for t in range(length):
+            model.zero_grad()
+            model(ids)[:, t].sum().backward()
+            grad = captured["x"].grad  # (B, T, C)
+            assert torch.all(grad[:, t + 1 :] == 0), f"position {t} sees the future"
+            assert grad[:, : t + 1].abs().sum() > 0, "the output depends on nothing"
+    finally:
+        hook.remove()
+
+
 class StopAt(Callback):
     """Interrupt training after `step` optimizer steps, as a killed job would be."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import seeded_model, tiny_config
+from helpers import assert_causal, seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel
 from lit_transformer.model import attention as attention_module
@@ -114,20 +114,7 @@ def test_qk_norm_changes_outputs_with_the_same_weights(arch, position):
 def test_qk_norm_keeps_causality(impl):
     """d output[t] / d embedding[t'] is exactly zero for every t' > t."""
     model = seeded_model(tiny_config("decoder", position="rope", qk_norm=True, attention_impl=impl, n_kv_heads=1))
-    captured = {}
-
-    def keep(module, inputs, output):
-        output.retain_grad()
-        captured["x"] = output
-
-    model.transformer.decoder.embed.register_forward_hook(keep)
-    ids = torch.randint(0, V, (B, T))
-    for t in range(T):
-        model.zero_grad()
-        model(ids)[:, t].sum().backward()
-        grad = captured["x"].grad  # (B, T, C)
-        assert torch.all(grad[:, t + 1 :] == 0), f"position {t} sees the future"
-        assert grad[:, : t + 1].abs().sum() > 0
+    assert_causal(model, B, T)
 
 
 QK_GENERATION = {
