@@ -169,15 +169,26 @@ class KVCache:
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows `index` (beam search: the surviving beams' parents)."""
-        self.keys = self.keys.index_select(1, index)
-        self.values = self.values.index_select(1, index)
+    def reorder(self, index: torch.Tensor, *, within_groups: bool = False) -> None:
+        """Keep batch rows `index` (R',): beam search's surviving beams' parents, and fewer rows
+        once prompts finish. A permutation of the same number of rows rewrites only the cached
+        positions in place (no new cache per step). within_groups: the rows move only among
+        rows that share an encoder output (the beams of one prompt), so the cross-attention
+        keys and values stay as they are."""
+        if index.numel() == self.keys.shape[1]:
+            used = min(self.length, self.keys.shape[3])  # a ring (RollingKVCache) is full after M tokens
+            self.keys[:, :, :, :used] = self.keys[:, index, :, :used]
+            self.values[:, :, :, :used] = self.values[:, index, :, :used]
+        else:
+            self.keys = self.keys.index_select(1, index)
+            self.values = self.values.index_select(1, index)
         self.key_mask = self.key_mask.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
-        self.cross = [
-            None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index)) for kv in self.cross
-        ]
+        if not within_groups:
+            self.cross = [
+                None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
+                for kv in self.cross
+            ]
 
 
 class RollingKVCache(KVCache):

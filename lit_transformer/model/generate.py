@@ -4,8 +4,10 @@
 `StepDecoder` is the model side of the loop (token buffer, cache, next-token logits); the
 search functions only choose tokens. Decoder-only prompts are left-padded internally so every
 row appends at the same column; positions come from the attention mask, so padding shifts
-nothing. Without the cache every step recomputes the full forward: the baseline the cache is
-measured against (benchmarks/generation.py).
+nothing. Without the cache every step recomputes the full forward: the reference the cache is
+tested against (tests/test_generate.py). On CPU the linear layers run on oneDNN-packed weights
+while decoding (packed_linear.py); `benchmarks/generation.py` measures decoding against
+transformers' generate.
 
 Shape legend: B prompts, N beams per prompt, R = B*N rows the model sees, T prompt length,
 W buffer width (prompt + new tokens), G generated length, V vocabulary, C model width.
@@ -20,6 +22,7 @@ from typing import Literal
 import torch
 
 from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.model.packed_linear import packed_linears
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,14 +245,22 @@ class StepDecoder:
         self.length += 1
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (R,). Beam search only moves rows within a prompt's group, whose
-        encoder memory is identical, so memory stays as it is."""
+        """Keep rows `index` (R',) for beam search: each prompt's surviving beams' parents, in
+        the prompt's own group of rows, and no rows at all for a prompt that has finished. A
+        reorder that keeps every group moves rows only among beams of one prompt, whose
+        encoder memory is identical, so memory and the cross-attention cache stay as they are."""
+        same_groups = index.numel() == self.ids.shape[0]
         self.ids = self.ids.index_select(0, index)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
             self.positions = self.positions.index_select(0, index)
+        if not same_groups:
+            for name in ("memory", "memory_mask", "prefix_lengths"):
+                value = getattr(self, name)
+                if value is not None:
+                    setattr(self, name, value.index_select(0, index))
         if self.cache is not None:
-            self.cache.reorder(index)
+            self.cache.reorder(index, within_groups=same_groups)
 
 
 def generate(
@@ -314,20 +325,22 @@ def generate_with(
     was_training = model.training
     model.eval()
     try:
-        decoder = StepDecoder(
-            model,
-            input_ids,
-            attention_mask,
-            max_new_tokens=config.max_new_tokens,
-            use_cache=config.use_cache,
-            pad_token_id=config.pad_token_id,
-            decoder_start_token_id=config.decoder_start_token_id,
-            expand=config.num_beams,
-            bidirectional_prompt=config.bidirectional_prompt,
-        )
-        if config.num_beams > 1:
-            return beam_search(decoder, config)
-        return _sample_loop(decoder, config, generator)
+        # weights pre-packed for oneDNN while decoding on CPU (packed_linear.py)
+        with packed_linears(model):
+            decoder = StepDecoder(
+                model,
+                input_ids,
+                attention_mask,
+                max_new_tokens=config.max_new_tokens,
+                use_cache=config.use_cache,
+                pad_token_id=config.pad_token_id,
+                decoder_start_token_id=config.decoder_start_token_id,
+                expand=config.num_beams,
+                bidirectional_prompt=config.bidirectional_prompt,
+            )
+            if config.num_beams > 1:
+                return beam_search(decoder, config)
+            return _sample_loop(decoder, config, generator)
     finally:
         model.train(was_training)
 
@@ -357,8 +370,10 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     continue. A prompt is done when it holds N finished hypotheses and no running beam can
     still beat the worst of them: with length_penalty > 0 a beam is bounded by its score
     divided by max_new_tokens ** length_penalty, otherwise by its current length (HF's
-    early_stopping="never", which is exact rather than heuristic). tests/test_generate.py checks
-    token-for-token parity with transformers' generate for GPT-2, LLaMA and T5.
+    early_stopping="never", which is exact rather than heuristic). A finished prompt leaves the
+    batch: its rows are dropped from the decoder and the cache, so the model's work per step
+    shrinks as prompts finish. tests/test_generate.py checks token-for-token parity with
+    transformers' generate for GPT-2, LLaMA and T5.
     """
     N, G, lp = config.num_beams, config.max_new_tokens, config.length_penalty
 
@@ -367,58 +382,66 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
 
     R, device = decoder.ids.shape[0], decoder.ids.device
     B = R // N
+    prompt = decoder.ids[::N, : decoder.prompt_length].clone()  # (B, T): identical within a group
     eos = torch.tensor(config.eos_ids, device=device) if config.eos_ids else None
     neg_inf = float("-inf")
-    scores = torch.zeros(B, N, device=device)  # running beams' summed log-probabilities
-    scores[:, 1:] = neg_inf  # all beams start identical: expand only the first one at step 0
-    tokens = torch.full((B, N, G), config.pad_token_id, dtype=torch.long, device=device)  # running beams
     fin_scores = torch.full((B, N), neg_inf, device=device)  # best N finished hypotheses per prompt
-    fin_tokens = tokens.clone()
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    offset = torch.arange(B, device=device)[:, None] * N  # (B, 1): first row of each group
+    fin_tokens = torch.full((B, N, G), config.pad_token_id, dtype=torch.long, device=device)
+    # The A prompts still searching: their ids, running beams' summed log-probabilities and
+    # tokens. A prompt that finishes leaves these and the decoder's rows (no more model calls).
+    active = torch.arange(B, device=device)  # (A,)
+    scores = torch.zeros(B, N, device=device)  # (A, N)
+    scores[:, 1:] = neg_inf  # all beams start identical: expand only the first one at step 0
+    tokens = fin_tokens.clone()  # (A, N, G)
     is_top = None
     length = 0
     for step in range(G):
         length = step + 1
-        logp = decoder.next_logits().log_softmax(-1)  # (R, V)
+        A = active.numel()
+        logp = decoder.next_logits().log_softmax(-1)  # (A*N, V)
         V = logp.shape[-1]
-        logp = logp.view(B, N, V) + scores[..., None]  # (B, N, V)
+        logp = logp.view(A, N, V) + scores[..., None]  # (A, N, V)
         n_cand = min((1 + len(config.eos_ids)) * N, N * V)  # enough that N non-eos survive
-        cand_scores, flat = logp.view(B, N * V).topk(n_cand, dim=-1)  # (B, 2N)
+        cand_scores, flat = logp.view(A, N * V).topk(n_cand, dim=-1)  # (A, 2N)
         cand_beam, cand_tok = flat // V, flat % V
-        cand_tokens = tokens.gather(1, cand_beam[..., None].expand(-1, -1, G)).clone()  # (B, 2N, G)
+        cand_tokens = tokens.gather(1, cand_beam[..., None].expand(-1, -1, G)).clone()  # (A, 2N, G)
         cand_tokens[:, :, step] = cand_tok
         running = cand_scores
         if eos is not None:
-            is_eos = torch.isin(cand_tok, eos)  # (B, 2N)
+            is_eos = torch.isin(cand_tok, eos)  # (A, 2N)
             if is_top is None:
                 is_top = torch.arange(n_cand, device=device) < N
-            new = is_eos & is_top & ~done[:, None]
-            new_scores = torch.where(new, cand_scores / norm(length), neg_inf)
-            fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, new_scores, cand_tokens, N)
+            new_scores = torch.where(is_eos & is_top, cand_scores / norm(length), neg_inf)
+            kept_scores, kept_tokens = _keep_best(fin_scores[active], fin_tokens[active], new_scores, cand_tokens, N)
+            fin_scores[active], fin_tokens[active] = kept_scores, kept_tokens
             running = cand_scores.masked_fill(is_eos, neg_inf)
-        scores, keep = running.topk(N, dim=-1)  # (B, N), sorted: scores[:, 0] is the best beam
-        parent = cand_beam.gather(1, keep)
-        tokens = cand_tokens.gather(1, keep[..., None].expand(-1, -1, G))  # (B, N, G)
+        scores, keep = running.topk(N, dim=-1)  # (A, N), sorted: scores[:, 0] is the best beam
+        rows = cand_beam.gather(1, keep) + torch.arange(A, device=device)[:, None] * N  # (A, N): parents' rows
+        tokens = cand_tokens.gather(1, keep[..., None].expand(-1, -1, G))  # (A, N, G)
+        next_tokens = cand_tok.gather(1, keep)  # (A, N)
         if length == G:
             break
         if eos is not None:
             horizon = G if lp > 0 else length
-            full = torch.isfinite(fin_scores).all(1)
-            done |= full & (scores[:, 0] / norm(horizon) <= fin_scores.min(1).values)
-            if bool(done.all()):
-                break
-        decoder.reorder((parent + offset).view(-1))
-        decoder.append(cand_tok.gather(1, keep).view(-1))
+            full = torch.isfinite(kept_scores).all(1)
+            done = full & (scores[:, 0] / norm(horizon) <= kept_scores.min(1).values)  # (A,)
+            if bool(done.any()):
+                searching = torch.nonzero(~done)[:, 0]  # (A',)
+                active, scores, tokens = active[searching], scores[searching], tokens[searching]
+                rows, next_tokens = rows[searching], next_tokens[searching]
+                if active.numel() == 0:
+                    break
+        decoder.reorder(rows.view(-1))
+        decoder.append(next_tokens.view(-1))
     # Prompts still searching when the budget ran out finish with their running beams.
-    open_scores = torch.where(done[:, None], neg_inf, scores / norm(length))
-    fin_scores, fin_tokens = _keep_best(fin_scores, fin_tokens, open_scores, tokens, N)
+    if active.numel():
+        kept_scores, kept_tokens = _keep_best(fin_scores[active], fin_tokens[active], scores / norm(length), tokens, N)
+        fin_scores[active], fin_tokens[active] = kept_scores, kept_tokens
     best = fin_tokens[torch.arange(B, device=device), fin_scores.argmax(1)]  # (B, G), pad after eos
     generated = best[:, :length]
     if eos is not None:  # trim columns where every row is already padding after its eos
         ends = _lengths_after_eos(generated, eos)
         generated = generated[:, : int(ends.max())]
-    prompt = decoder.ids[::N, : decoder.prompt_length]  # (B, T): identical within a group
     return torch.cat((prompt, generated), dim=1)
 
 

@@ -58,12 +58,15 @@ class LinearState:
         self.cross: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.length = 0
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: torch.Tensor, *, within_groups: bool = False) -> None:
+        """Keep batch rows `index`; as KVCache.reorder."""
         self.state = self.state.index_select(1, index)
         self.normalizer = self.normalizer.index_select(1, index)
-        self.cross = [
-            None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index)) for kv in self.cross
-        ]
+        if not within_groups:
+            self.cross = [
+                None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
+                for kv in self.cross
+            ]
 
 
 def linear_attention(

@@ -1,0 +1,140 @@
+"""Decoding's fast paths: oneDNN-packed linear weights (model/packed_linear.py), the KV cache
+reordered in place, finished beam-search prompts leaving the batch, and bf16 decoding within
+a stated tolerance of float32."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from helpers import V, seeded_model, tiny_config
+from torch import nn
+
+import lit_transformer.model.generate as generate_module
+from lit_transformer.model.attention import KVCache
+from lit_transformer.model.generate import StepDecoder, generate
+from lit_transformer.model.packed_linear import packed_linears, packing_available
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def odd_model(arch: str = "decoder"):
+    return seeded_model(tiny_config(arch, init_std=0.2, n_decoder_layers=3 if arch == "encoder_decoder" else None))
+
+
+def linears(model) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_forward_equals_plain_and_is_undone(dtype):
+    model = odd_model().to(dtype)
+    ids = torch.randint(0, V, (3, 7))
+    with torch.inference_mode():
+        plain = model(ids)
+        with packed_linears(model) as count:
+            assert count == len(linears(model)) > 0
+            assert all("forward" in m.__dict__ for m in linears(model))
+            packed = model(ids)
+            with packed_linears(model) as inner:
+                assert inner == 0  # already packed: nothing packed twice
+    assert not any("forward" in m.__dict__ for m in linears(model))
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(packed.float(), plain.float(), **tolerance)
+
+
+@needs_onednn
+def test_a_changed_weight_is_never_read_from_a_stale_pack():
+    layer = nn.Linear(13, 5)
+    x = torch.randn(3, 13)
+    with torch.inference_mode(), packed_linears(layer):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # in place: the version counter moves
+        after = layer(x)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert not torch.allclose(after, before)
+
+
+@needs_onednn
+def test_gradients_still_flow_inside_the_block():
+    layer = nn.Linear(13, 5)
+    x = torch.randn(3, 13, requires_grad=True)
+    with packed_linears(layer):
+        layer(x).sum().backward()
+    assert layer.weight.grad is not None and x.grad is not None
+
+
+def test_nothing_is_packed_where_it_does_not_apply():
+    model = odd_model().to(torch.float16)
+    assert not packing_available(model)
+    with packed_linears(model) as count:
+        assert count == 0
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generation_tokens_are_unchanged_by_packing(arch, num_beams, monkeypatch):
+    """float32: the packed products round differently in the last bits only, so greedy and
+    beam search pick the same tokens as with plain F.linear."""
+    model = odd_model(arch)
+    ids = torch.randint(1, V, (3, 7), generator=torch.Generator().manual_seed(3))
+    packed = generate(model, ids, max_new_tokens=9, num_beams=num_beams)
+    monkeypatch.setattr(generate_module, "packed_linears", lambda model: contextlib.nullcontext(0))
+    assert torch.equal(packed, generate(model, ids, max_new_tokens=9, num_beams=num_beams))
+
+
+def test_in_place_reorder_equals_selecting_rows():
+    cache = KVCache(n_layers=2, batch=4, kv_heads=3, head_dim=5, capacity=11, dtype=torch.float32, device="cpu")
+    cache.keys.normal_(), cache.values.normal_()
+    cache.length = 6
+    index = torch.tensor([2, 2, 0, 3])
+    expected = cache.keys[:, index, :, :6].clone(), cache.values[:, index, :, :6].clone()
+    keys_storage = cache.keys.data_ptr()
+    cache.reorder(index, within_groups=True)
+    assert cache.keys.data_ptr() == keys_storage  # rewritten in place, no new cache
+    assert torch.equal(cache.keys[:, :, :, :6], expected[0]) and torch.equal(cache.values[:, :, :, :6], expected[1])
+    cache.reorder(torch.tensor([1, 3]))  # fewer rows: prompts finished
+    assert cache.keys.shape[1] == 2 and torch.equal(cache.keys[:, :, :, :6], expected[0][:, [1, 3]])
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_finished_prompts_leave_the_beam_batch(arch):
+    """With a third of the vocabulary as eos, prompts finish at different steps: the model then
+    sees fewer rows, and every prompt's output is still the one it gets alone."""
+    model = odd_model(arch)
+    ids = torch.randint(1, V, (4, 5), generator=torch.Generator().manual_seed(5))
+    eos = list(range(1, V, 3))
+    rows_seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: rows_seen.append(output.shape[0]))
+    try:
+        batch = generate(model, ids, max_new_tokens=12, num_beams=3, eos_token_id=eos, length_penalty=0.0)
+    finally:
+        hook.remove()
+    assert rows_seen[0] == 12 and min(rows_seen) < 12 and rows_seen == sorted(rows_seen, reverse=True)
+    for row in range(4):
+        alone = generate(
+            model, ids[row : row + 1], max_new_tokens=12, num_beams=3, eos_token_id=eos, length_penalty=0.0
+        )[0]
+        width = alone.shape[0]
+        assert torch.equal(batch[row, :width], alone) and (batch[row, width:] == 0).all()
+
+
+def test_bf16_decoding_is_within_tolerance_of_float32():
+    """bf16 weights (the default for decoding on CPUs with bf16 matrix instructions): next-token
+    log-probabilities within 0.1 nats of float32's wherever float32 is sure of its choice, and
+    the same argmax wherever float32's top two logits are more than 0.2 apart."""
+    model = odd_model()
+    ids = torch.randint(1, V, (5, 9), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        exact = StepDecoder(model, ids, max_new_tokens=1).next_logits()
+        half = StepDecoder(seeded_model(model.config).to(torch.bfloat16), ids, max_new_tokens=1).next_logits()
+    top2 = exact.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.2
+    assert clear.any()
+    assert torch.equal(half.argmax(-1)[clear], exact.argmax(-1)[clear])
+    sure = exact.log_softmax(-1).max(-1).values > -0.5
+    diff = (half.log_softmax(-1) - exact.log_softmax(-1)).abs().max(-1).values
+    assert (diff[sure] < 0.1).all() if sure.any() else diff.max() < 0.3
