@@ -170,6 +170,9 @@ EXPECTED_KEYS = {
         "length_penalty",
         "bleu_signature",
         "chrf_signature",
+        "dtype",
+        "sentences_per_s",
+        "tokens_per_s",
     },
     "tiny-classify": {"loss", "accuracy", "macro_f1"},
 }

@@ -156,7 +156,7 @@ def test_evaluate_reports_every_task_or_one(unilm, capsys):
 
 
 def test_generate_and_export_read_the_mixture(unilm, tmp_path, capsys):
-    args = ["generate", str(unilm), "--prompt", "def main(", "--greedy", "--max-new-tokens", "8"]
+    args = ["generate", str(unilm), "--prompt", "def main(", "--greedy", "--max-new-tokens", "8", "--continuation-only"]
     assert main(args) == 0
     causal = capsys.readouterr().out
     assert main([*args, "--bidirectional-prompt"]) == 0

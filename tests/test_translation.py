@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -151,8 +152,9 @@ def tiny_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-seq2seq", "tiny-clm"])
 def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path, capsys):
-    """Shuffled lengths, batches of 3 sorted by length inside chunks of 4: each output line equals
-    the output of its input alone (greedy and beam search), in input order."""
+    """Shuffled lengths, batches of 3 inputs or of 37 tokens, sorted by length inside chunks of 4:
+    each output line equals the output of its input alone (greedy and beam search), in input
+    order; a decoder's --input lines and an encoder-decoder's --prompt output hold no prompt."""
     words = "open read the file and return its lines as a list of strings".split()
     rng = random.Random(0)
     lines = [" ".join(rng.choice(words) for _ in range(n)) for n in (9, 1, 5, 12, 3, 7, 2, 10)]
@@ -160,30 +162,39 @@ def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path,
     source.write_text("\n".join(lines) + "\n")
     from lit_transformer.commands import batch_generate
 
+    alone_only = ["--continuation-only"] if name == "tiny-clm" else []  # the flag changes nothing for seq2seq
     for beams in ("1", "3"):
-        out = tmp_path / f"out{beams}.txt"
-        argv = [
-            "generate",
-            str(tiny_runs[name]),
-            "--input",
-            str(source),
-            "--output",
-            str(out),
-            "--batch-size",
-            "3",
-            "--max-new-tokens",
-            "6",
-            "--greedy",
-            "--num-beams",
-            beams,
-        ]
-        chunk = batch_generate.CHUNK_LINES
-        batch_generate.CHUNK_LINES = 4  # several chunks: sorting happens inside each
-        try:
-            assert main(argv) == 0
-        finally:
-            batch_generate.CHUNK_LINES = chunk
-        got = out.read_text().split("\n")
+        outputs = []
+        for batching in (["--batch-size", "3"], ["--batch-tokens", "37"]):
+            out = tmp_path / f"out{beams}.txt"
+            argv = [
+                "generate",
+                str(tiny_runs[name]),
+                "--input",
+                str(source),
+                "--output",
+                str(out),
+                *batching,
+                "--max-new-tokens",
+                "6",
+                "--greedy",
+                "--num-beams",
+                beams,
+            ]
+            chunk = batch_generate.CHUNK_LINES
+            batch_generate.CHUNK_LINES = 4  # several chunks: sorting happens inside each
+            try:
+                assert main(argv) == 0
+            finally:
+                batch_generate.CHUNK_LINES = chunk
+            outputs.append(out.read_text())
+            assert re.search(
+                r"^generate: 8 inputs in \d+\.\d s \((bfloat16|float32)\): [\d.]+ sentences/s, \d+ new tokens/s$",
+                capsys.readouterr().err,
+                re.M,
+            )
+        assert outputs[0] == outputs[1]
+        got = outputs[0].split("\n")
         assert got[-1] == "" and len(got) == len(lines) + 1
         assert len(set(got)) > 3  # outputs that differ, so that an order mix-up shows
         for line, output in zip(lines, got):
@@ -199,11 +210,26 @@ def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path,
                         "--greedy",
                         "--num-beams",
                         beams,
+                        *alone_only,
                     ]
                 )
                 == 0
             )
             assert batch_generate.one_line(capsys.readouterr().out[:-1]) == output
+
+
+@pytest.mark.slow
+def test_a_decoders_prompt_output_starts_with_the_prompt(tiny_runs, capsys):
+    prompt = "def read(self, size"
+    args = ["generate", str(tiny_runs["tiny-clm"]), "--prompt", prompt, "--max-new-tokens", "6", "--greedy"]
+    assert main([*args, "--dtype", "float32"]) == 0
+    shown = capsys.readouterr().out[:-1]
+    assert main([*args, "--dtype", "float32", "--continuation-only"]) == 0
+    new = capsys.readouterr().out[:-1]
+    assert shown.startswith(prompt) and not new.startswith(prompt) and new.strip()
+    assert shown == prompt + new  # byte-level BPE: the joint decoding is the concatenation
+    assert main([*args, "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
 
 
 @pytest.mark.slow
@@ -303,6 +329,8 @@ def test_evaluate_bleu_equals_sacrebleu_on_generate_output(beams, tiny_runs, tmp
         == 0
     )
     metrics = json.loads(capsys.readouterr().out)
+    assert metrics["sentences_per_s"] > 0 and metrics["tokens_per_s"] > 0
+    assert metrics["dtype"] in ("bfloat16", "float32")
     assert (
         main(
             [

@@ -2,10 +2,11 @@
 
 Inputs are read in chunks (a few thousand lines), so a file larger than memory streams
 through; inside a chunk they are sorted by token length, so a batch holds prompts of similar
-length and little padding, and the outputs are written back in input order. Prompts that do
-not fit the model's context are cut to fit and counted (`ContextNotes`), and a request for
-more new tokens than the context holds is capped and said out loud: nothing is dropped
-silently.
+length and little padding, and the outputs are written back in input order. A batch holds as
+many prompts as fit a token budget (`--batch-tokens`, the size of the decode buffer), so short
+inputs go many to a batch and long ones few. Prompts that do not fit the model's context are
+cut to fit and counted (`ContextNotes`), and a request for more new tokens than the context
+holds is capped and said out loud: nothing is dropped silently.
 
 Shape legend: B prompts in a batch, T prompt length.
 """
@@ -15,19 +16,80 @@ from __future__ import annotations
 import csv
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
-from lit_transformer.commands.prompts import complete, encode_prompt
+from lit_transformer.commands.prompts import complete_ids, decode_new, encode_prompt, generated_length, with_prompt
 from lit_transformer.errors import RunError
+from lit_transformer.model.packed_linear import packed_linears
+from lit_transformer.recipe.load import cpu_has_bf16_matmul
 from lit_transformer.recipe.registry import PromptStyle
 
 CHUNK_LINES = 4096  # inputs sorted together: enough for similar lengths, few MB of text at most
 SHOWN_NOTES = 3  # truncation notices printed one by one before only the count is kept
+# A batch's decode buffer in tokens (rows x (longest prompt + new tokens) x beams). The KV cache
+# costs 2 x layers x d_model values per token: 36 KiB in bf16 for a 12-layer, 768-wide model, so
+# 8192 tokens hold about 300 MB of cache, and at 64 to 256 tokens a row that is 32 to 128 rows,
+# enough to keep each step's matrix products busy where a handful of rows would leave them
+# memory-bound.
+BATCH_TOKENS = 8192
+# Rows at most, whatever the token budget: the per-step logits (rows x beams x vocabulary) are
+# not in the token count, and short prompts with a small new-token budget would otherwise make
+# thousands of rows.
+BATCH_ROWS = 256
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def decoding_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The weights' dtype for decoding: `auto` is bfloat16 on CUDA and on a CPU with bf16 matrix
+    instructions (elsewhere bf16 is emulated, slower than float32), else float32."""
+    if choice == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul())
+        return torch.bfloat16 if fast else torch.float32
+    if choice not in DTYPES:
+        raise RunError(f"--dtype {choice}: choose auto, {' or '.join(DTYPES)}")
+    return DTYPES[choice]
+
+
+def check_batching(batch_size: int | None, batch_tokens: int | None) -> None:
+    """Before a model is loaded: the batching flags are positive (None: no limit of that kind)."""
+    for flag, value in (("--batch-size", batch_size), ("--batch-tokens", batch_tokens)):
+        if value is not None and value < 1:
+            raise RunError(f"{flag} {value} must be at least 1")
+
+
+def plan_batches(
+    lengths: Sequence[int],
+    budget: Callable[[int], int],
+    *,
+    batch_size: int | None = BATCH_ROWS,
+    batch_tokens: int | None = BATCH_TOKENS,
+    num_beams: int = 1,
+) -> list[list[int]]:
+    """Indices of prompts of these `lengths` in batches, longest first (a memory error shows at
+    once). A batch holds prompts of one new-token budget(length), at most batch_size rows, and
+    rows x (its longest prompt + budget) x num_beams <= batch_tokens: the decode buffer and KV
+    cache it fills. A prompt over the token limit alone is a batch of one."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    start = 0
+    while start < len(order):
+        new = budget(lengths[order[start]])
+        row_tokens = (lengths[order[start]] + new) * num_beams  # the first is the longest
+        rows = len(order) - start if batch_size is None else batch_size
+        if batch_tokens is not None:
+            rows = min(rows, max(1, batch_tokens // row_tokens))
+        stop = start + 1
+        while stop < len(order) and stop - start < rows and budget(lengths[order[stop]]) == new:
+            stop += 1
+        batches.append(order[start:stop])
+        start = stop
+    return batches
 
 
 @dataclass(frozen=True)
@@ -89,17 +151,24 @@ class BatchGenerator:
         style: PromptStyle,
         decoding: Decoding,
         *,
-        batch_size: int = 32,
+        batch_size: int | None = BATCH_ROWS,
+        batch_tokens: int | None = BATCH_TOKENS,
         notes: ContextNotes | None = None,
         bidirectional_prompt: bool = False,
         mode_token_id: int | None = None,
+        show_prompt: bool = False,
     ):
-        """bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete).
-        mode_token_id: a token put before every prompt, as a mixture's task put it before its inputs."""
-        if batch_size < 1:
-            raise RunError(f"--batch-size {batch_size} must be at least 1")
+        """batch_size, batch_tokens: plan_batches's limits (None: none of that kind).
+        bidirectional_prompt: a decoder reads its prompts bidirectionally (prompts.complete).
+        mode_token_id: a token put before every prompt, as a mixture's task put it before its inputs.
+        show_prompt: a decoder's output is its prompt followed by the continuation."""
+        check_batching(batch_size, batch_tokens)
         self.model, self.tokenizer, self.special, self.style = model.eval(), tokenizer, special, style
-        self.decoding, self.batch_size = decoding, batch_size
+        self.decoding, self.batch_size, self.batch_tokens = decoding, batch_size, batch_tokens
+        self.show_prompt = show_prompt and style == "continue"
+        self.dtype = next(model.parameters()).dtype
+        self.inputs = self.new_tokens = 0  # throughput: inputs done, tokens generated (eos counted, padding not)
+        self.seconds = 0.0
         self.bidirectional_prompt = bidirectional_prompt
         self.lead = [mode_token_id] if mode_token_id is not None else []
         self.notes = notes if notes is not None else ContextNotes()
@@ -148,43 +217,66 @@ class BatchGenerator:
         """Outputs of `texts`, in their order. Batches hold prompts of similar length and the
         same new-token budget, so every prompt is decoded exactly as it would be alone (same
         max_new_tokens, its padding masked)."""
+        began = time.perf_counter()
         prompts = [
             self.fit(
                 self.lead + encode_prompt(t, self.tokenizer, self.special, self.style), f"input {first_index + i + 1}"
             )
             for i, t in enumerate(texts)
         ]
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # longest first: memory errors early
         outputs: list[str] = [""] * len(prompts)
-        start = 0
-        while start < len(order):
-            budget = self.budget(len(prompts[order[start]]))
-            stop = start + 1
-            while (
-                stop < len(order)
-                and stop - start < self.batch_size
-                and self.budget(len(prompts[order[stop]])) == budget
-            ):
-                stop += 1
-            rows = order[start:stop]
-            self._say_cap(len(prompts[rows[0]]), budget)
-            texts_out = complete(
-                self.model,
-                self.tokenizer,
-                self.special,
-                self.style,
-                [prompts[i] for i in rows],
-                max_new_tokens=budget,
-                generator=self.generator,
-                bidirectional_prompt=self.bidirectional_prompt,
-                **self.decoding.options(),
-            )
-            for i, text in zip(rows, texts_out):
-                outputs[i] = text
-            if progress is not None:
-                progress(len(rows))
-            start = stop
+        batches = plan_batches(
+            [len(p) for p in prompts],
+            self.budget,
+            batch_size=self.batch_size,
+            batch_tokens=self.batch_tokens,
+            num_beams=self.decoding.num_beams,
+        )
+        with packed_linears(self.model):  # packed once for all batches, not once per generate call
+            for rows in batches:
+                self._decode_batch(rows, prompts, texts, outputs)
+                if progress is not None:
+                    progress(len(rows))
+        self.inputs += len(prompts)
+        self.seconds += time.perf_counter() - began
         return outputs
+
+    def _decode_batch(self, rows: list[int], prompts: list[list[int]], texts: list[str], outputs: list[str]) -> None:
+        """Decode prompts `rows` together and write their outputs in place."""
+        budget = self.budget(len(prompts[rows[0]]))
+        self._say_cap(len(prompts[rows[0]]), budget)
+        new = complete_ids(
+            self.model,
+            self.special,
+            self.style,
+            [prompts[i] for i in rows],
+            max_new_tokens=budget,
+            generator=self.generator,
+            bidirectional_prompt=self.bidirectional_prompt,
+            **self.decoding.options(),
+        )
+        for i, row in zip(rows, new):
+            self.new_tokens += generated_length(self.special, self.style, row)
+            if self.show_prompt:
+                outputs[i] = with_prompt(self.tokenizer, self.special, texts[i], prompts[i], row)
+            else:
+                outputs[i] = decode_new(self.tokenizer, self.special, self.style, row)
+
+    def throughput(self) -> dict:
+        """Inputs and generated tokens per second of decoding so far (reading and writing files not counted)."""
+        seconds = max(self.seconds, 1e-9)
+        return {"sentences_per_s": self.inputs / seconds, "tokens_per_s": self.new_tokens / seconds}
+
+    def report(self, what: str, out: TextIO | None = None) -> None:
+        """One line on stderr: inputs, seconds, the weights' dtype, sentences/s and new tokens/s."""
+        rates = self.throughput()
+        dtype = str(self.dtype).removeprefix("torch.")
+        print(
+            f"{what}: {self.inputs} inputs in {self.seconds:.1f} s ({dtype}): "
+            f"{rates['sentences_per_s']:.1f} sentences/s, {rates['tokens_per_s']:.0f} new tokens/s",
+            file=out or sys.stderr,
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------- files
@@ -300,6 +392,7 @@ def generate_file(
             out.flush()
             done += len(chunk)
     generate.notes.finish()
+    generate.report("generate")
     return done
 
 
@@ -328,6 +421,7 @@ def translation_scores(
     generate.notes.finish()
     if not references:
         raise RunError("no sentence pairs to score")
+    generate.report("translate")
     bleu, chrf = BLEU(), CHRF()
     return {
         "bleu": bleu.corpus_score(hypotheses, [references]).score,
@@ -337,4 +431,6 @@ def translation_scores(
         "length_penalty": generate.decoding.length_penalty if generate.decoding.num_beams > 1 else None,
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
+        "dtype": str(generate.dtype).removeprefix("torch."),
+        **generate.throughput(),
     }

@@ -13,6 +13,18 @@ import json
 import sys
 from collections.abc import Sequence
 
+# the batching and dtype flags of generate and evaluate's translation decoding; the defaults copy
+# batch_generate.BATCH_ROWS and BATCH_TOKENS, which this module cannot import without torch
+BATCH_SIZE_HELP = "at most N inputs decoded together (default 256)"
+BATCH_TOKENS_HELP = (
+    "at most N tokens in a batch's decode buffer, each input counted as the batch's longest prompt "
+    "plus the new-token budget, times --num-beams (default 8192; a longer input goes alone)"
+)
+DTYPE_HELP = (
+    "the weights' dtype for decoding (default auto: bfloat16 on CUDA or a CPU with bf16 matrix "
+    "instructions, AMX or AVX512-BF16, else float32)"
+)
+DTYPES = ("auto", "float32", "bfloat16")
 # a subcommand's --debug must not reset the top-level one (argparse copies subparser defaults)
 DEBUG = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
 EPILOG = (
@@ -51,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or a checkpoint: "
         "loss, perplexity, bits_per_byte, accuracy, macro_f1 as fit the objective; a translation "
         "(seq2seq) run also decodes every sentence and reports sacrebleu's BLEU and chrF with "
-        "their signatures.",
+        "their signatures and its decoding speed.",
     )
     p.add_argument("target", metavar="RUN_OR_CKPT")
     p.add_argument(
@@ -90,8 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="translation: new tokens per sentence (default: the recipe's data.max_target_length)",
     )
+    p.add_argument("--batch-size", type=int, default=256, metavar="N", help=f"translation: {BATCH_SIZE_HELP}")
+    p.add_argument("--batch-tokens", type=int, default=8192, metavar="N", help=f"translation: {BATCH_TOKENS_HELP}")
     p.add_argument(
-        "--batch-size", type=int, default=32, metavar="N", help="translation: sentences decoded together (default 32)"
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help=f"translation: {DTYPE_HELP}; the losses keep the run's precision",
     )
     p.add_argument(
         "--task",
@@ -112,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text with a clm, span or seq2seq model",
         description="Continue a prompt (decoder) or transform it (encoder-decoder). Samples with "
-        "temperature/top-k/top-p unless --greedy or --num-beams > 1.",
+        "temperature/top-k/top-p unless --greedy or --num-beams > 1. A decoder's --prompt output is the "
+        "prompt followed by its continuation; --input outputs and an encoder-decoder's are the new text alone.",
     )
     p.add_argument("target", metavar="RUN_OR_CKPT")
     given = p.add_mutually_exclusive_group(required=True)
@@ -133,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="with a .jsonl/.csv/.tsv --input: the column to read (default source, else text)",
     )
-    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="inputs decoded together (default 32)")
+    p.add_argument(
+        "--continuation-only",
+        action="store_true",
+        help="with --prompt and a decoder: print only the new text, not the prompt before it",
+    )
+    p.add_argument("--batch-size", type=int, default=256, metavar="N", help=f"with --input: {BATCH_SIZE_HELP}")
+    p.add_argument("--batch-tokens", type=int, default=8192, metavar="N", help=f"with --input: {BATCH_TOKENS_HELP}")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -237,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
             length_penalty=args.length_penalty,
             max_new_tokens=args.max_new_tokens,
             batch_size=args.batch_size,
+            batch_tokens=args.batch_tokens,
+            dtype=args.dtype,
             task=args.task,
             split=args.split,
         )
@@ -258,13 +285,20 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             bidirectional_prompt=args.bidirectional_prompt,
             mode_token=args.mode_token,
+            dtype=args.dtype,
         )
         if args.input is not None:
             inference.generate_file(
-                args.target, args.input, args.output, column=args.column, batch_size=args.batch_size, **decoding
+                args.target,
+                args.input,
+                args.output,
+                column=args.column,
+                batch_size=args.batch_size,
+                batch_tokens=args.batch_tokens,
+                **decoding,
             )
         else:
-            print(inference.generate(args.target, args.prompt, **decoding))
+            print(inference.generate(args.target, args.prompt, continuation_only=args.continuation_only, **decoding))
         return 0
     print(inference.export(args.target, args.out, args.format))
     return 0

@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from lit_transformer.commands.batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
+from lit_transformer.commands.batch_generate import (
+    BATCH_ROWS,
+    BATCH_TOKENS,
+    BatchGenerator,
+    ContextNotes,
+    Decoding,
+    check_batching,
+    decoding_dtype,
+    translation_scores,
+)
 from lit_transformer.commands.batch_generate import generate_file as run_file
 from lit_transformer.commands.loading import (
     label_names,
@@ -44,7 +53,9 @@ def evaluate(
     num_beams: int | None = None,
     length_penalty: float | None = None,
     max_new_tokens: int | None = None,
-    batch_size: int = 32,
+    batch_size: int | None = BATCH_ROWS,
+    batch_tokens: int | None = BATCH_TOKENS,
+    dtype: str = "auto",
     task: str | None = None,
     progress_bar: bool = True,
     split: str = "validation",
@@ -55,8 +66,10 @@ def evaluate(
     perplexity, bits_per_byte (causal LM), accuracy, macro_f1, ... as fit
     the objective; a translation model (seq2seq with objective.bleu) also decodes every
     sentence (the first max_batches batches' worth with max_batches) and reports BLEU and chrF
-    with sacrebleu's signatures. Decoding: objective.num_beams and objective.length_penalty
-    unless given, at most data.max_target_length new tokens unless given.
+    with sacrebleu's signatures, and its decoding speed (sentences_per_s, tokens_per_s) and
+    weights' dtype. Decoding: objective.num_beams and objective.length_penalty unless given, at
+    most data.max_target_length new tokens unless given, weights in `dtype` (decoding_dtype; the
+    losses are computed as the run trained, whatever `dtype` says).
 
     A mixture run reports every task's metrics as `<task>/<metric>` (clm/bits_per_byte); with
     `task`, that task's alone under the single objective's keys. `max_batches` counts per task."""
@@ -64,6 +77,8 @@ def evaluate(
     from lit_transformer.data.files import ReadStats
     from lit_transformer.objectives import evaluate_batches
 
+    check_batching(batch_size, batch_tokens)
+    decoding_dtype(dtype, torch.device("cpu"))  # a bad name fails before the losses are computed
     source = resolve_source(target)
     cfg = source.run_config
     if cfg is None or source.tokenizer is None:
@@ -140,9 +155,11 @@ def evaluate(
             num_beams=num_beams if num_beams is not None else cfg.objective.num_beams,
             length_penalty=length_penalty if length_penalty is not None else cfg.objective.length_penalty,
         )
-        # in float32, as `generate --input` decodes: the same options give the same text
+        # Cast in place: the losses above were the model's last float32 use. `generate --input`
+        # with the same options and dtype gives the same text.
+        model = module.model.to(decoding_dtype(dtype, next(module.model.parameters()).device))
         generate_text = BatchGenerator(
-            module.model, dm.tokenizer, dm.special_tokens, style, decoding, batch_size=batch_size
+            model, dm.tokenizer, dm.special_tokens, style, decoding, batch_size=batch_size, batch_tokens=batch_tokens
         )
         pairs = build_sources(data_cfg, registry.spec(module.objective_name).data)[split].iterate(ReadStats())
         limit = None if max_batches is None else max_batches * (data_cfg.eval_batch_size or data_cfg.batch_size)
@@ -154,14 +171,18 @@ def batch_generator(
     target: str,
     decoding: Decoding,
     *,
-    batch_size: int = 32,
+    batch_size: int | None = BATCH_ROWS,
+    batch_tokens: int | None = BATCH_TOKENS,
+    dtype: str = "auto",
     notes: ContextNotes | None = None,
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
+    show_prompt: bool = False,
 ) -> BatchGenerator:
-    """A run's model, tokenizer and prompt style, ready to generate from text. A decoder may read
-    the prompt bidirectionally (a prefix, as a mixture's prefix LM trained it); a mode token (a
-    mixture's, e.g. [S2S]) is put before every prompt."""
+    """A run's model (its weights in `dtype`: decoding_dtype), tokenizer and prompt style, ready
+    to generate from text. A decoder may read the prompt bidirectionally (a prefix, as a
+    mixture's prefix LM trained it); a mode token (a mixture's, e.g. [S2S]) is put before every
+    prompt; show_prompt: a decoder's outputs start with their prompt."""
     from lit_transformer.data.tokenizer import SpecialTokens, load_tokenizer
 
     source = resolve_source(target)
@@ -177,6 +198,7 @@ def batch_generator(
             f"a {', '.join(generative) or 'decoder or encoder-decoder'} run"
         )
     model = load_language_model(source).eval()
+    model = model.to(decoding_dtype(dtype, next(model.parameters()).device))
     tokenizer = load_tokenizer(source.tokenizer)
     if bidirectional_prompt and arch != "decoder":
         raise RunError(f"--bidirectional-prompt: a {arch} model's prompt is read by its encoder, bidirectional already")
@@ -192,9 +214,11 @@ def batch_generator(
         style,
         decoding,
         batch_size=batch_size,
+        batch_tokens=batch_tokens,
         notes=notes,
         bidirectional_prompt=bidirectional_prompt,
         mode_token_id=mode_id,
+        show_prompt=show_prompt,
     )
 
 
@@ -245,8 +269,12 @@ def generate(
     seed: int = 0,
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
+    dtype: str = "auto",
+    continuation_only: bool = False,
 ) -> str:
-    """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model."""
+    """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model. A decoder's
+    output is the prompt followed by its continuation (continuation_only: the new text alone); an
+    encoder-decoder's is its output alone."""
     decoding = decoding_options(
         max_new_tokens=max_new_tokens,
         greedy=greedy,
@@ -258,7 +286,13 @@ def generate(
         seed=seed,
     )
     generate_text = batch_generator(
-        target, decoding, batch_size=1, bidirectional_prompt=bidirectional_prompt, mode_token=mode_token
+        target,
+        decoding,
+        batch_size=1,
+        dtype=dtype,
+        bidirectional_prompt=bidirectional_prompt,
+        mode_token=mode_token,
+        show_prompt=not continuation_only,
     )
     (text,) = generate_text([prompt])
     generate_text.notes.finish()
@@ -271,22 +305,28 @@ def generate_file(
     output: str | None = None,
     *,
     column: str | None = None,
-    batch_size: int = 32,
+    batch_size: int | None = BATCH_ROWS,
+    batch_tokens: int | None = BATCH_TOKENS,
+    dtype: str = "auto",
     progress_bar: bool = True,
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
     **decoding: Any,
 ) -> int:
     """One output line per input of a file (its lines, or a jsonl/csv/tsv column), in input
-    order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout."""
+    order, to `output` (a .jsonl output holds {"input", "output"} objects) or stdout; a decoder's
+    outputs are continuations alone. The throughput goes to stderr at the end."""
     import sys
 
     if not Path(input).is_file():  # before loading the model
         raise RunError(f"--input {input}: no such file")
+    check_batching(batch_size, batch_tokens)
     generate_text = batch_generator(
         target,
         decoding_options(**decoding),
         batch_size=batch_size,
+        batch_tokens=batch_tokens,
+        dtype=dtype,
         bidirectional_prompt=bidirectional_prompt,
         mode_token=mode_token,
     )

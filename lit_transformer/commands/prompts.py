@@ -27,27 +27,53 @@ def encode_prompt(text: str, tokenizer, special, style: PromptStyle) -> list[int
     return ids + ([end] if end is not None else [])
 
 
-def decode_new(tokenizer, special, style: PromptStyle, row: list[int]) -> str:
-    """Text of generated ids up to eos; a span model's sentinels are kept to show the spans."""
+def _stops(special, style: PromptStyle) -> set[int]:
     stop = {special.eos_id} if special.eos_id is not None else set()
     if style == "continue" and special.separator_id is not None:
         stop.add(special.separator_id)
+    return stop
+
+
+def kept_new(special, style: PromptStyle, row: list[int]) -> list[int]:
+    """The generated ids of a row that make its text: up to (not including) eos, padding dropped."""
+    stop = _stops(special, style)
     out = []
     for token in row:
         if token in stop:
             break
         if token != special.pad_id:
             out.append(token)
-    return tokenizer.decode(out, skip_special_tokens=style != "fill_spans")
+    return out
+
+
+def generated_length(special, style: PromptStyle, row: list[int]) -> int:
+    """Tokens the model generated for a row: up to and including eos, not the padding after it."""
+    stop = _stops(special, style)
+    return next((n + 1 for n, token in enumerate(row) if token in stop), len(row))
+
+
+def decode_new(tokenizer, special, style: PromptStyle, row: list[int]) -> str:
+    """Text of generated ids up to eos; a span model's sentinels are kept to show the spans."""
+    return tokenizer.decode(kept_new(special, style, row), skip_special_tokens=style != "fill_spans")
+
+
+def with_prompt(tokenizer, special, text: str, prompt: list[int], row: list[int]) -> str:
+    """A decoder's prompt `text` followed by its continuation `row`. Prompt and new ids are decoded
+    together, so that a tokenizer that joins pieces (WordPiece's ##, SentencePiece's ▁, byte-level
+    BPE's split characters) joins them across the seam; the decoded prompt is then swapped for the
+    text as written, which a tokenizer may have normalised, as transformers' text-generation
+    pipeline does. Special tokens (a separator, a mode token) are not shown."""
+    head = tokenizer.decode(prompt, skip_special_tokens=True)
+    whole = tokenizer.decode(prompt + kept_new(special, "continue", row), skip_special_tokens=True)
+    return text + whole[len(head) :] if whole.startswith(head) else whole
 
 
 def show_prompt(tokenizer, style: PromptStyle, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=style != "fill_spans")
 
 
-def complete(
+def complete_ids(
     model,
-    tokenizer,
     special,
     style: PromptStyle,
     prompts: list[list[int]],
@@ -56,9 +82,10 @@ def complete(
     generator: torch.Generator | None = None,
     bidirectional_prompt: bool = False,
     **options,
-) -> list[str]:
-    """Generate from token-id prompts; returns the new text of each. bidirectional_prompt: a
-    decoder reads its prompt bidirectionally (a model trained with prefix-LM attention modes)."""
+) -> list[list[int]]:
+    """Generate from token-id prompts; returns the new ids of each row (eos, then padding, where
+    it stopped early). bidirectional_prompt: a decoder reads its prompt bidirectionally (a model
+    trained with prefix-LM attention modes)."""
     device = next(model.parameters()).device
     ids = pad(prompts, special.pad_id or 0).to(device)  # (B, T)
     mask = torch.zeros_like(ids)
@@ -79,4 +106,30 @@ def complete(
         **options,
     )
     new = out[:, ids.shape[1] :] if continues else out[:, 1:]  # (B, G): after the prompt, or the start token
-    return [decode_new(tokenizer, special, style, row) for row in new.tolist()]
+    return new.tolist()
+
+
+def complete(
+    model,
+    tokenizer,
+    special,
+    style: PromptStyle,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    generator: torch.Generator | None = None,
+    bidirectional_prompt: bool = False,
+    **options,
+) -> list[str]:
+    """The new text of each prompt (complete_ids decoded)."""
+    rows = complete_ids(
+        model,
+        special,
+        style,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        generator=generator,
+        bidirectional_prompt=bidirectional_prompt,
+        **options,
+    )
+    return [decode_new(tokenizer, special, style, row) for row in rows]

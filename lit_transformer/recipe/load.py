@@ -123,7 +123,12 @@ def default_precision(objective_default: str, accelerator: str) -> str:
         return objective_default
     if accelerator == "auto" and _has_nvidia_gpu():
         return objective_default
-    return objective_default if _cpu_flags() & {"amx_bf16", "avx512_bf16"} else "32-true"
+    return objective_default if cpu_has_bf16_matmul() else "32-true"
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether the CPU has bf16 matrix instructions (AMX, AVX512-BF16); elsewhere bf16 is emulated."""
+    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 def _cpu_flags() -> set[str]:
