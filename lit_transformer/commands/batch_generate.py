@@ -232,7 +232,9 @@ class BatchGenerator:
             batch_tokens=self.batch_tokens,
             num_beams=self.decoding.num_beams,
         )
-        with packed_linears(self.model):  # packed once for all batches, not once per generate call
+        # packed once for all batches, not once per generate call, for the rows of a full batch
+        rows = min(self.batch_size or len(prompts), len(prompts)) * self.decoding.num_beams
+        with packed_linears(self.model, rows=rows):
             for rows in batches:
                 self._decode_batch(rows, prompts, texts, outputs)
                 if progress is not None:

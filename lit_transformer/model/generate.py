@@ -326,7 +326,7 @@ def generate_with(
     model.eval()
     try:
         # weights pre-packed for oneDNN while decoding on CPU (packed_linear.py)
-        with packed_linears(model):
+        with packed_linears(model, rows=input_ids.shape[0] * config.num_beams):
             decoder = StepDecoder(
                 model,
                 input_ids,
