@@ -177,8 +177,10 @@ class KVCache:
         keys and values stay as they are."""
         if index.numel() == self.keys.shape[1]:
             used = min(self.length, self.keys.shape[3])  # a ring (RollingKVCache) is full after M tokens
-            self.keys[:, :, :, :used] = self.keys[:, index, :, :used]
-            self.values[:, :, :, :used] = self.values[:, index, :, :used]
+            # only the rows that take another row's place: a beam that extends itself stays put
+            moved = torch.nonzero(index != torch.arange(index.numel(), device=index.device))[:, 0]  # (R'',)
+            if moved.numel():
+                self._copy_rows(index[moved], moved, used)
         else:
             self.keys = self.keys.index_select(1, index)
             self.values = self.values.index_select(1, index)
@@ -189,6 +191,21 @@ class KVCache:
                 None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))
                 for kv in self.cross
             ]
+
+    def _copy_rows(self, source: torch.Tensor, target: torch.Tensor, used: int) -> None:
+        """Cached keys and values of rows `source` (R'',) written over rows `target`, the first
+        `used` positions. One layer at a time, on the (B*K, M, D) view whose rows are each a
+        head's contiguous block: whole blocks are gathered with plain copies, where advanced
+        indexing over (L, B, K, M, D) with the `used` slice takes torch's slow strided path."""
+        L, B, K, M, D = self.keys.shape
+        heads = torch.arange(K, device=source.device)
+        source = (source[:, None] * K + heads).reshape(-1)  # (R''*K,) rows of the (B*K) view
+        target = (target[:, None] * K + heads).reshape(-1)
+        for cache in (self.keys, self.values):
+            flat = cache.view(L, B * K, M, D)
+            for layer in range(L):
+                part = flat[layer, :, :used]  # (B*K, used, D)
+                part.index_copy_(0, target, part.index_select(0, source))
 
 
 class RollingKVCache(KVCache):

@@ -206,6 +206,7 @@ class StepDecoder:
                 if value is not None:
                     setattr(self, name, value.repeat_interleave(expand, dim=0))
         self.length = self.prompt_length
+        self._logits: torch.Tensor | None = None  # next_logits' float32 buffer for a 16-bit model
         self.cache = model.transformer.new_cache(B * expand, capacity=width) if use_cache else None
         # The prompt fills buffer columns 0..T-1 (left-padded; the padding stays masked), so a
         # prefix of T in key coordinates is the whole prompt, with or without the cache; every
@@ -220,7 +221,8 @@ class StepDecoder:
 
     def next_logits(self) -> torch.Tensor:
         """Float32 logits (R, V) for the token after the current sequences. With the cache only
-        the tokens not yet cached go through the model (the prompt first, then one per step)."""
+        the tokens not yet cached go through the model (the prompt first, then one per step).
+        For a 16-bit model the tensor is reused by the next call: use it before calling again."""
         start = self.cache.length if self.cache is not None else 0
         ids = self.ids[:, start : self.length]
         mask = positions = None
@@ -238,7 +240,15 @@ class StepDecoder:
             cache=self.cache,
             prefix_lengths=self.prefix_lengths,
         )  # (R, t, C)
-        return self.model.lm_head(hidden[:, -1:])[:, 0].float()  # only the last position: (R, V)
+        logits = self.model.lm_head(hidden[:, -1:])[:, 0]  # only the last position: (R, V)
+        if logits.dtype == torch.float32:
+            return logits
+        # A 16-bit model's logits in float32, in one buffer kept for the whole run: a fresh
+        # (R, V) tensor a step costs more in page faults than the conversion itself.
+        R = logits.shape[0]
+        if self._logits is None or self._logits.shape[0] < R:
+            self._logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        return self._logits[:R].copy_(logits)
 
     def append(self, tokens: torch.Tensor) -> None:
         self.ids[:, self.length] = tokens
@@ -398,12 +408,18 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     for step in range(G):
         length = step + 1
         A = active.numel()
-        logp = decoder.next_logits().log_softmax(-1)  # (A*N, V)
-        V = logp.shape[-1]
-        logp = logp.view(A, N, V) + scores[..., None]  # (A, N, V)
+        logits = decoder.next_logits()  # (A*N, V)
+        V = logits.shape[-1]
         n_cand = min((1 + len(config.eos_ids)) * N, N * V)  # enough that N non-eos survive
-        cand_scores, flat = logp.view(A, N * V).topk(n_cand, dim=-1)  # (A, 2N)
-        cand_beam, cand_tok = flat // V, flat % V
+        # A prompt's best n_cand continuations are among each of its beams' best n_cand tokens
+        # (a beam's score adds the same amount to all its tokens), so only those get a
+        # log-probability: no (A*N, V) log-softmax or sum is written each step.
+        row_best, row_tok = logits.topk(min(n_cand, V), dim=-1)  # (A*N, n)
+        logp = row_best - logits.logsumexp(-1, keepdim=True)  # log-softmax of the kept tokens
+        n = row_best.shape[-1]
+        logp = logp.view(A, N, n) + scores[..., None]  # (A, N, n)
+        cand_scores, flat = logp.view(A, N * n).topk(n_cand, dim=-1)  # (A, 2N)
+        cand_beam, cand_tok = flat // n, row_tok.view(A, N * n).gather(1, flat)
         cand_tokens = tokens.gather(1, cand_beam[..., None].expand(-1, -1, G)).clone()  # (A, 2N, G)
         cand_tokens[:, :, step] = cand_tok
         running = cand_scores
