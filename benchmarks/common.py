@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,35 @@ def autocast(device: str, precision: str):
 
 def weight_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16-true" else torch.float32
+
+
+def matmul_dtype(precision: str) -> torch.dtype:
+    """The dtype the steps' matrix products run in (autocast's for bf16-mixed): the matmul peak
+    is measured in it, so that MFU compares like with like."""
+    return torch.float32 if precision == "32-true" else torch.bfloat16
+
+
+def bf16_is_native(device: str) -> bool:
+    """CUDA, or a CPU with bf16 matrix instructions (AMX, AVX512-BF16). Elsewhere torch emulates
+    bf16 matrix products, many times slower than float32, so a bf16 figure would measure the
+    emulation. The CPU rule is the recipes' own (recipe/load.py default_precision)."""
+    if device.startswith("cuda"):
+        return True
+    from lit_transformer.recipe.load import default_precision
+
+    return default_precision("bf16-mixed", "cpu") != "32-true"
+
+
+def choose_precision(device: str, requested: str | None) -> tuple[str, str]:
+    """(precision, why) of the training steps: the one asked for, else bf16-mixed where bf16
+    is native and 32-true where it is emulated."""
+    if requested:
+        return requested, f"{requested}: given by --precision"
+    if device.startswith("cuda"):
+        return "bf16-mixed", "bf16-mixed: a CUDA device"
+    if bf16_is_native(device):
+        return "bf16-mixed", "bf16-mixed: this CPU has bf16 matrix instructions (AMX or AVX512-BF16)"
+    return "32-true", "32-true: this CPU has no bf16 matrix instructions (AMX, AVX512-BF16); bf16 would be emulated"
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -256,15 +286,16 @@ def sync(device: str) -> None:
 
 
 class MatmulPeak:
-    """FLOP/s of a large bf16 matrix product (size^3, `inner` products per call) on a device:
-    the hardware peak MFU is relative to. Called between training steps, so that it samples
-    the machine under the same background load; `best` is the highest rate seen."""
+    """FLOP/s of a large matrix product (size^3, `inner` products per call, in `dtype`: the
+    steps' matmul_dtype) on a device: the hardware peak MFU is relative to. Called between
+    training steps, so that it samples the machine under the same background load; `best` is
+    the highest rate seen."""
 
-    def __init__(self, device: str, size: int, inner: int):
-        self.device, self.size, self.inner = device, size, inner
-        self.a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-        self.b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-        self.out = torch.empty(size, size, device=device, dtype=torch.bfloat16)
+    def __init__(self, device: str, size: int, inner: int, dtype: torch.dtype = torch.bfloat16):
+        self.device, self.size, self.inner, self.dtype = device, size, inner, dtype
+        self.a = torch.randn(size, size, device=device, dtype=dtype)
+        self.b = torch.randn(size, size, device=device, dtype=dtype)
+        self.out = torch.empty(size, size, device=device, dtype=dtype)
         torch.mm(self.a, self.b, out=self.out)  # warm-up: kernel selection, allocation
         self.rates: list[float] = []
 
@@ -279,6 +310,34 @@ class MatmulPeak:
     @property
     def best(self) -> float:
         return max(self.rates)
+
+
+def memory_bandwidth(device: str, megabytes: int = 512, repeats: int = 5) -> list[float]:
+    """Bytes per second of streaming reads: `x.sum()` over a float32 tensor much larger than any
+    CPU's last-level cache, `repeats` times (the best is the figure; the list is returned so
+    the spread can be reported)."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    x.sum()  # warm-up: page faults, kernel selection
+    rates = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        x.sum()
+        sync(device)
+        rates.append(x.numel() * 4 / (time.perf_counter() - start))
+    return rates
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(device)} ({device})"
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"cpu: {cpu}, {torch.get_num_threads()} threads"
 
 
 def time_alternating(

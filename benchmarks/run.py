@@ -8,9 +8,9 @@ equivalent config (our export mapping) with OUR weights copied in (so the first 
 agree: a check that both compute the same model; when they differ by more than 2% the run stops
 with exit status 1, naming the family and both losses), the same batch, precision, dropout (0) and
 optimizer (torch's fused AdamW on both). Both run in one process, step by step alternately
-with a bf16 matrix-product probe, so that background load falls on all three alike.
+with a matrix-product probe in the steps' dtype, so that background load falls on all three alike.
 
-    python benchmarks/run.py --quick            # CPU: 4 layers, T=256; about 4 minutes on 2 cores
+    python benchmarks/run.py --quick            # CPU smoke run: 4 layers, T=128, B=4, 3 rounds; a few minutes
     python benchmarks/run.py --quick --json     # one JSON object on stdout (the table on stderr)
     python benchmarks/run.py                    # CPU: 12 layers, T=512
     python benchmarks/run.py --device cuda --compile --json   # GPU figures (GPT-2 at T=1024)
@@ -28,15 +28,25 @@ Reported per family:
                     LM head counted on the positions it actually runs on: all of them, except
                     in our masked LM, which projects only the masked 15% (transformers' BERT
                     projects all, and `transformers_mfu` counts all).
-  matmul_peak_flops the highest FLOP/s of a 4096^3 (CPU) or 8192^3 (GPU) bf16 torch.mm loop,
-                    sampled before, between and after the training steps.
+  matmul_peak_flops the highest FLOP/s of a torch.mm loop in the dtype the steps' matrix
+                    products run in (bfloat16, or float32 for 32-true), 4096^3 on CPU (2048^3
+                    with --quick) or 8192^3 on GPU, sampled before, between and after the steps.
   peak_memory_bytes GPU: torch.cuda.max_memory_allocated during a step above what was allocated
                     before it, plus the side's own parameters and AdamW state. CPU: the
                     resident-set high-water mark of a fresh process that builds that side alone
                     and runs two steps, less its resident set after the imports: weights,
                     gradients, AdamW moments and the activation peak, plus allocator slack.
-Precision: bf16-mixed by default, i.e. torch.autocast(bfloat16) around forward and loss with
-float32 weights and optimizer, the same on both sides (--precision bf16-true: bf16 weights).
+Precision: the same on both sides, chosen from the machine unless --precision is given:
+bf16-mixed (torch.autocast(bfloat16) around forward and loss, float32 weights and optimizer) on
+CUDA or on a CPU with bf16 matrix instructions (AMX, AVX512-BF16), otherwise 32-true, because
+there bf16 is emulated and would measure the emulation. The table and the JSON (`precision`,
+`precision_reason`) say which and why. --precision bf16-true: bf16 weights.
+
+Sections after the training steps: generation (benchmarks/generation.py: its --quick matrix
+with --quick, on CPU otherwise its whole matrix but batch 32) and data preparation
+(benchmarks/data_prep.py; one repeat with --quick); skip them with --no-generation /
+--no-data-prep, and the CPU memory subprocesses with --no-memory (--quick skips those unless
+--memory is given).
 """
 
 from __future__ import annotations
@@ -44,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import platform
 import statistics
 import sys
 import time
@@ -56,20 +65,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SIZES = {  # (layers per stack, sequence length, batch) for each mode
-    "quick": {"bert_mlm": (4, 256, 4), "gpt2_clm": (4, 256, 4), "t5_span": (4, 256, 4)},
+    "quick": {"bert_mlm": (4, 128, 4), "gpt2_clm": (4, 128, 4), "t5_span": (4, 128, 4)},
     "cpu": {"bert_mlm": (12, 512, 2), "gpt2_clm": (12, 512, 2), "t5_span": (12, 512, 2)},
     "cuda": {"bert_mlm": (12, 512, 32), "gpt2_clm": (12, 1024, 16), "t5_span": (12, 512, 32)},
 }
+PEAK_SIZES = {"quick": (2048, 2), "cpu": (4096, 2), "cuda": (8192, 10)}  # (size, products per call)
 TARGETS = {"cpu_speedup": 1.5, "cpu_mfu": 0.25, "gpu_speedup": 1.3, "gpu_gpt2_mfu": 0.45}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--quick", action="store_true", help="CPU smoke sizes: 4 layers, T=256, B=4, 5 timed steps")
+    p.add_argument("--quick", action="store_true", help="CPU smoke sizes: 4 layers, T=128, B=4, 3 timed steps")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (tables on stderr)")
     p.add_argument("--families", default=",".join(common.FAMILIES), help="comma-separated subset")
-    p.add_argument("--precision", default="bf16-mixed", choices=common.PRECISIONS)
+    p.add_argument(
+        "--precision",
+        choices=common.PRECISIONS,
+        help="default: bf16-mixed on CUDA or a CPU with bf16 matrix instructions, else 32-true",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -81,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="timed steps per side (default 5 on CPU, 10 on GPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="with --quick: measure CPU peak memory too (two fresh processes per family, each importing "
+        "torch, Lightning and transformers: minutes on 2 cores, so --quick skips it by default)",
+    )
     p.add_argument("--no-generation", action="store_true")
     p.add_argument("--no-data-prep", action="store_true")
     args = p.parse_args(argv)
@@ -90,7 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.compile and not args.cuda and args.quick:
         p.error("--compile on CPU compiles for minutes; not with --quick")
     args.mode = "cuda" if args.cuda else "quick" if args.quick else "cpu"
-    args.rounds = args.rounds or {"quick": 5, "cpu": 5, "cuda": 10}[args.mode]
+    if args.memory and args.no_memory:
+        p.error("--memory and --no-memory contradict each other")
+    args.no_memory = args.no_memory or (args.quick and not args.memory)
+    args.rounds = args.rounds or {"quick": 3, "cpu": 5, "cuda": 10}[args.mode]
+    args.precision, args.precision_reason = common.choose_precision(args.device, args.precision)
     args.warmup = 3 if args.cuda else 2 if args.compile else 1
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     for family in args.families:
@@ -103,27 +127,14 @@ def log(*parts) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def device_name(args) -> str:
-    if args.cuda:
-        return f"{torch.cuda.get_device_name(args.device)} ({args.device})"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"cpu: {cpu}, {torch.get_num_threads()} threads"
-
-
 def setup_args(args, family: str) -> dict:
     layers, seq_len, batch = SIZES[args.mode][family]
     return {"layers": args.layers or layers, "seq_len": args.seq_len or seq_len, "batch": args.batch or batch}
 
 
 def make_peak(args) -> common.MatmulPeak:
-    if args.cuda:
-        return common.MatmulPeak(args.device, size=8192, inner=10)
-    return common.MatmulPeak(args.device, size=4096, inner=2)
+    size, inner = PEAK_SIZES[args.mode]
+    return common.MatmulPeak(args.device, size=size, inner=inner, dtype=common.matmul_dtype(args.precision))
 
 
 def run_family(args, family: str, peak: common.MatmulPeak) -> dict:
@@ -197,18 +208,20 @@ def cuda_side_peak(side: common.Side, batch) -> int:
 def generation_report(args) -> dict:
     import generation
 
-    argv = ["--device", args.device] + (["--quick"] if args.quick else [])
+    # The quick smoke matrix, or on CPU the whole one but batch 32 (minutes of beam search)
+    argv = ["--device", args.device] + (["--quick"] if args.quick else [] if args.cuda else ["--batches", "1,8"])
     if args.threads:
         argv += ["--threads", str(args.threads)]
     with contextlib.redirect_stdout(sys.stderr):
         return generation.main(argv)
 
 
-def data_prep_report() -> dict:
+def data_prep_report(quick: bool) -> dict:
     import data_prep
 
     saved = sys.argv
-    sys.argv = ["data_prep.py", "--json"]  # data_prep.main() reads its arguments from sys.argv
+    # data_prep.main() reads its arguments from sys.argv; its best-of-3 repeats are not needed for a smoke run
+    sys.argv = ["data_prep.py", "--json"] + (["--repeat", "1"] if quick else [])
     buffer = io.StringIO()
     try:
         with contextlib.redirect_stdout(buffer):
@@ -234,7 +247,8 @@ def speedup_text(result: dict) -> str:
 def print_table(report: dict, out) -> None:
     peak = report["matmul_peak_flops"]
     print(
-        f"device: {report['device']}; bf16 matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
+        f"device: {report['device']}; precision {report['precision_reason']}; {report['matmul_peak_dtype']} "
+        f"matmul peak measured: {peak / 1e9:.1f} GFLOP/s "
         "(tok/s: fastest step; speed-up: median of adjacent-step ratios, their range in brackets)",
         file=out,
     )
@@ -252,13 +266,19 @@ def print_table(report: dict, out) -> None:
             file=out,
         )
     gen = report.get("generation")
-    if isinstance(gen, dict) and "kv_cache" in gen:
-        print(
-            f"generation ({gen['model']}, {gen['new_tokens']} new tokens, {gen['dtype']}): KV cache "
-            f"{gen['kv_cache']['tokens_per_s']:.1f} tok/s, recompute {gen['recompute']['tokens_per_s']:.1f} tok/s, "
-            f"speed-up {gen['speedup']:.1f}x",
-            file=out,
-        )
+    if isinstance(gen, dict) and "results" in gen:
+        for c in gen["results"]:
+            low, high = c["ratio_range"]
+            tokens = "identical tokens" if c["identical_tokens"] else f"{100 * c['token_agreement']:.1f}% same tokens"
+            print(
+                f"generation {c['shape']} B={c['batch']} {c['mode']} {c['dtype']} ({gen['new_tokens']} new tokens): "
+                f"ours {c['tokens_per_s']:.1f} tok/s, transformers {c['transformers_tokens_per_s']:.1f} tok/s, "
+                f"{c['ratio']:.2f}x ({low:.2f}-{high:.2f}), {tokens}, "
+                f"{100 * c['bandwidth_utilisation']:.1f}% of memory bandwidth",
+                file=out,
+            )
+    elif isinstance(gen, dict) and "error" in gen:
+        print(f"generation: failed: {gen['error']}", file=out)
     prep = report.get("data_prep")
     if isinstance(prep, dict) and "first_run_mb_per_s" in prep:
         print(
@@ -279,7 +299,9 @@ def main(argv=None) -> dict:
         "matmul_peak_flops": None,
         "generation": None,
         "data_prep": None,
-        "device": device_name(args),
+        "device": common.device_name(args.device),
+        "precision": args.precision,
+        "precision_reason": args.precision_reason,
         "torch": torch.__version__,
         "mode": args.mode,
         "targets": TARGETS,
@@ -288,9 +310,13 @@ def main(argv=None) -> dict:
 
     report["transformers"] = transformers.__version__
     peak = make_peak(args)
+    report["matmul_peak_dtype"] = str(peak.dtype).removeprefix("torch.")
     for _ in range(3):
         peak()
-    log(f"{report['device']}: bf16 matmul peak {peak.best / 1e9:.1f} GFLOP/s (so far)")
+    log(
+        f"{report['device']}: precision {args.precision_reason}; {report['matmul_peak_dtype']} matmul peak "
+        f"{peak.best / 1e9:.1f} GFLOP/s (so far)"
+    )
     for family in args.families:
         t0 = time.perf_counter()
         result = run_family(args, family, peak)
@@ -314,7 +340,7 @@ def main(argv=None) -> dict:
             report["generation"] = {"error": repr(error)}
     if not args.no_data_prep:
         try:
-            report["data_prep"] = data_prep_report()
+            report["data_prep"] = data_prep_report(args.quick)
         except Exception as error:
             report["data_prep"] = {"error": repr(error)}
     report["seconds"] = time.perf_counter() - start

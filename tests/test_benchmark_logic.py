@@ -1,6 +1,7 @@
 """benchmarks/run.py's comparison logic, without timing anything: the headline ratio against
 transformers is the median of alternating rounds with their range, and a family whose two sides
-disagree on the first loss fails the comparison instead of reporting a speed."""
+disagree on the first loss fails the comparison instead of reporting a speed; the precision
+and the matmul probe follow the machine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the benchmarks import each other as top-level modules
@@ -46,7 +48,7 @@ def test_a_failed_comparison_exits_non_zero_naming_the_family(monkeypatch, capsy
     family's models and the matmul probe are replaced: nothing is built or timed.)"""
 
     class NoPeak:
-        best, rates = 1.0, []
+        best, rates, dtype = 1.0, [], torch.float32
 
         def __call__(self):
             pass
@@ -58,3 +60,78 @@ def test_a_failed_comparison_exits_non_zero_naming_the_family(monkeypatch, capsy
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: gpt2_clm: first losses differ (ours 3.0000, transformers 4.0000"), last
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "precision", "why"),
+    [
+        (set(), "cpu", "32-true", "32-true: this CPU has no bf16 matrix instructions"),
+        ({"avx2", "avx512_bf16"}, "cpu", "bf16-mixed", "bf16-mixed: this CPU has bf16 matrix instructions"),
+        ({"amx_bf16"}, "cpu", "bf16-mixed", "bf16-mixed: this CPU has bf16 matrix instructions"),
+        (set(), "cuda", "bf16-mixed", "bf16-mixed: a CUDA device"),
+    ],
+)
+def test_the_precision_follows_the_machine(monkeypatch, flags, device, precision, why):
+    import lit_transformer.recipe.load as load
+
+    monkeypatch.setattr(load, "_cpu_flags", lambda: flags)
+    chosen, reason = common.choose_precision(device, None)
+    assert chosen == precision and reason.startswith(why)
+    assert common.choose_precision(device, "bf16-true") == ("bf16-true", "bf16-true: given by --precision")
+
+
+def test_quick_on_a_cpu_without_bf16_probes_a_small_float32_product(monkeypatch):
+    """The matmul peak is measured in the dtype the steps' products run in, at a size that
+    takes seconds in --quick (the AVX2-only CPU spent minutes on an emulated 4096^3 bf16 product)."""
+    import lit_transformer.recipe.load as load
+
+    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx2", "fma"})
+    built = {}
+    monkeypatch.setattr(
+        common,
+        "MatmulPeak",
+        lambda device, size, inner, dtype: built.update(device=device, size=size, inner=inner, dtype=dtype),
+    )
+    args = run.parse_args(["--quick"])
+    assert (args.precision, args.mode, args.rounds) == ("32-true", "quick", 3)
+    # the memory subprocesses (fresh imports of torch, Lightning, transformers) only when asked for
+    assert args.no_memory and not run.parse_args(["--quick", "--memory"]).no_memory and not run.parse_args([]).no_memory
+    run.make_peak(args)
+    assert built == {"device": "cpu", "size": 2048, "inner": 2, "dtype": torch.float32}
+    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx512_bf16"})
+    run.make_peak(run.parse_args([]))
+    assert (built["size"], built["dtype"]) == (4096, torch.bfloat16)
+    run.make_peak(run.parse_args(["--quick", "--precision", "32-true"]))
+    assert built["dtype"] == torch.float32
+
+
+def test_the_table_states_the_precision_and_the_generation_cells(capsys):
+    cell = {
+        "shape": "gpt2",
+        "batch": 8,
+        "mode": "greedy",
+        "dtype": "float32",
+        "tokens_per_s": 120.0,
+        "transformers_tokens_per_s": 100.0,
+        "ratio": 1.2,
+        "ratio_range": [1.1, 1.3],
+        "identical_tokens": False,
+        "token_agreement": 0.975,
+        "bandwidth_utilisation": 0.25,
+    }
+    report = {
+        "device": "cpu: test",
+        "precision_reason": "32-true: this CPU has no bf16 matrix instructions",
+        "matmul_peak_dtype": "float32",
+        "matmul_peak_flops": 1e11,
+        "results": [],
+        "generation": {"new_tokens": 32, "results": [cell]},
+        "data_prep": None,
+    }
+    run.print_table(report, sys.stdout)
+    out = capsys.readouterr().out
+    assert "precision 32-true: this CPU has no bf16 matrix instructions; float32 matmul peak measured: 100.0" in out
+    assert (
+        "generation gpt2 B=8 greedy float32 (32 new tokens): ours 120.0 tok/s, transformers 100.0 tok/s, "
+        "1.20x (1.10-1.30), 97.5% same tokens, 25.0% of memory bandwidth"
+    ) in out
