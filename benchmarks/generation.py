@@ -227,7 +227,8 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
     }
 
 
-def print_cells(report: dict, out=sys.stdout) -> None:
+def print_cells(report: dict, out=None) -> None:
+    out = out or sys.stdout  # looked up at call time, so that run.py's redirect_stdout applies
     print(
         f"{report['device']}, torch {report['torch']}, transformers {report['transformers']}; "
         f"{report['new_tokens']} new tokens after a {report['prompt_length']}-token prompt; measured memory "

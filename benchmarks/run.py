@@ -10,7 +10,7 @@ with exit status 1, naming the family and both losses), the same batch, precisio
 optimizer (torch's fused AdamW on both). Both run in one process, step by step alternately
 with a matrix-product probe in the steps' dtype, so that background load falls on all three alike.
 
-    python benchmarks/run.py --quick            # CPU smoke run: 4 layers, T=128, B=4, 3 rounds; a few minutes
+    python benchmarks/run.py --quick            # CPU: 4 layers, T=256, B=4, 5 rounds; about 2 minutes on 2 cores
     python benchmarks/run.py --quick --json     # one JSON object on stdout (the table on stderr)
     python benchmarks/run.py                    # CPU: 12 layers, T=512
     python benchmarks/run.py --device cuda --compile --json   # GPU figures (GPT-2 at T=1024)
@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SIZES = {  # (layers per stack, sequence length, batch) for each mode
-    "quick": {"bert_mlm": (4, 128, 4), "gpt2_clm": (4, 128, 4), "t5_span": (4, 128, 4)},
+    "quick": {"bert_mlm": (4, 256, 4), "gpt2_clm": (4, 256, 4), "t5_span": (4, 256, 4)},
     "cpu": {"bert_mlm": (12, 512, 2), "gpt2_clm": (12, 512, 2), "t5_span": (12, 512, 2)},
     "cuda": {"bert_mlm": (12, 512, 32), "gpt2_clm": (12, 1024, 16), "t5_span": (12, 512, 32)},
 }
@@ -76,7 +76,9 @@ TARGETS = {"cpu_speedup": 1.5, "cpu_mfu": 0.25, "gpu_speedup": 1.3, "gpu_gpt2_mf
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--quick", action="store_true", help="CPU smoke sizes: 4 layers, T=128, B=4, 3 timed steps")
+    p.add_argument(
+        "--quick", action="store_true", help="CPU sizes that run in minutes: 4 layers, T=256, B=4, 5 timed steps"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (tables on stderr)")
     p.add_argument("--families", default=",".join(common.FAMILIES), help="comma-separated subset")
     p.add_argument(
@@ -113,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.memory and args.no_memory:
         p.error("--memory and --no-memory contradict each other")
     args.no_memory = args.no_memory or (args.quick and not args.memory)
-    args.rounds = args.rounds or {"quick": 3, "cpu": 5, "cuda": 10}[args.mode]
+    args.rounds = args.rounds or {"quick": 5, "cpu": 5, "cuda": 10}[args.mode]
     args.precision, args.precision_reason = common.choose_precision(args.device, args.precision)
     args.warmup = 3 if args.cuda else 2 if args.compile else 1
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]

@@ -4,6 +4,8 @@ against transformers on the same weights."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -109,7 +111,7 @@ def test_agreement_is_the_fraction_of_equal_tokens_and_shapes_must_match():
         generation.agreement(torch.zeros(1, 2), torch.zeros(1, 3))
 
 
-def test_a_tiny_end_to_end_run_matches_transformers_token_for_token(monkeypatch, tmp_path):
+def test_a_tiny_end_to_end_run_matches_transformers_token_for_token(monkeypatch, tmp_path, capsys):
     """Both shapes at toy sizes through transformers' generate: float32 greedy and beam search
     write the same tokens as ours, and the JSON has the documented keys."""
     tiny = {"vocab_size": 64, "d_model": 16, "n_heads": 2, "d_ff": 32, "dropout": 0.0, "n_layers": 1}
@@ -123,7 +125,10 @@ def test_a_tiny_end_to_end_run_matches_transformers_token_for_token(monkeypatch,
     monkeypatch.setattr(common, "memory_bandwidth", lambda device: [1e10, 2e10])
     out = tmp_path / "gen.json"
     argv = ["--device", "cpu", "--batches", "2", "--new-tokens", "3", "--rounds", "1", "--prompt-length", "4"]
-    report = generation.main(argv + ["--modes", "greedy,beam4", "--dtypes", "float32", "--json", str(out)])
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):  # as run.py --json calls it: its stdout is one JSON object
+        report = generation.main(argv + ["--modes", "greedy,beam4", "--dtypes", "float32", "--json", str(out)])
+    assert capsys.readouterr().out == "" and "ratio" in table.getvalue()
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert report["memory_bandwidth_bytes_per_s"] == 2e10 and set(report["models"]) == {"gpt2", "t5"}
     assert [(c["shape"], c["mode"]) for c in report["results"]] == [

@@ -93,7 +93,7 @@ def test_quick_on_a_cpu_without_bf16_probes_a_small_float32_product(monkeypatch)
         lambda device, size, inner, dtype: built.update(device=device, size=size, inner=inner, dtype=dtype),
     )
     args = run.parse_args(["--quick"])
-    assert (args.precision, args.mode, args.rounds) == ("32-true", "quick", 3)
+    assert (args.precision, args.mode, args.rounds) == ("32-true", "quick", 5)
     # the memory subprocesses (fresh imports of torch, Lightning, transformers) only when asked for
     assert args.no_memory and not run.parse_args(["--quick", "--memory"]).no_memory and not run.parse_args([]).no_memory
     run.make_peak(args)
