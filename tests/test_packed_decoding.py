@@ -72,6 +72,9 @@ def test_nothing_is_packed_where_it_does_not_apply():
     assert not packing_available(model)
     with packed_linears(model) as count:
         assert count == 0
+    compiled = odd_model()
+    compiled.transformer.decoder.blocks[0].compile()  # as trainer.compile does per block
+    assert not packing_available(compiled)
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

@@ -31,9 +31,13 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available(model: nn.Module) -> bool:
-    """Whether `packed_linears` would pack anything: a CPU model in float32 or bfloat16, and a
-    torch built with oneDNN."""
+    """Whether `packed_linears` would pack anything: a CPU model in float32 or bfloat16, none of
+    its modules compiled, and a torch built with oneDNN."""
     if not torch.backends.mkldnn.is_available():
+        return False
+    # A compiled module (nn.Module.compile) would trace the swapped forward: inductor cannot
+    # lower the packed tensor, and swapping the attribute in and out would recompile each time.
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
         return False
     weight = next((m.weight for m in model.modules() if type(m) is nn.Linear), None)
     return weight is not None and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES
@@ -52,7 +56,8 @@ class _PackedForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (N..., C) -> (N..., O)
         linear = self.linear
         if (
-            x.dtype != self.packed.dtype
+            torch.compiler.is_compiling()  # under torch.compile of an outer function: traced as F.linear
+            or x.dtype != self.packed.dtype
             or x.device.type != "cpu"
             or (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))
             or _identity(linear.weight) != self.key
