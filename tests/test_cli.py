@@ -85,6 +85,11 @@ def test_print_config_prints_the_resolved_recipe(tmp_path, capsys):
         (["generate", "/nonexistent/run", "--prompt", "x"], "no such run directory"),
         (["finetune", "RECIPES/tiny-clm.yaml"], "finetune needs finetune.from"),
         (["info", "gpt2-smal"], "unknown preset 'gpt2-smal' (did you mean `gpt2-small`?)"),
+        (["info", "RECIPES/tiny-clm.yaml", "--mfu", "1.5"], "--mfu=1.5 must be a fraction in (0, 1]"),
+        (["info", "RECIPES/tiny-clm.yaml", "--mfu", "0"], "--mfu=0.0 must be a fraction in (0, 1]"),
+        (["info", "RECIPES/tiny-clm.yaml", "--peak-tflops", "-3"], "--peak-tflops=-3.0 must be a positive"),
+        (["info", "RECIPES/tiny-clm.yaml", "trainer.num_nodes=0", "--plan"], "trainer.num_nodes=0 must be a positive"),
+        (["info", "gpt2-small", "--plan"], "gpt2-small: --plan needs a recipe"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
@@ -124,6 +129,38 @@ def test_info_on_presets_and_recipes(capsys):
     assert out["config"]["vocab_size"] == 37000 and out["preset"] == "transformer-base"
     assert main(["info", str(RECIPES / "tiny-clm.yaml"), "model.n_layers=3"]) == 0
     assert "tiny-clm" in capsys.readouterr().out
+
+
+def test_info_plans_a_run_on_nodes_and_devices(capsys):
+    from lit_transformer.model.accounting import count_parameters, train_flops
+    from lit_transformer.recipe.load import model_config
+
+    recipe = str(RECIPES / "tiny-clm.yaml")
+    assert main(["info", recipe, "--plan", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)["plan"]
+    assert one["world_size"] == 1 and one["seconds_per_step"] is None and one["mfu"] == 0.4
+    # 8 devices: more than this CPU machine has, which a plan (unlike a launch) does not refuse
+    argv = ["info", recipe, "trainer.num_nodes=2", "trainer.devices=4", "trainer.accumulate_grad_batches=3"]
+    assert main([*argv, "--peak-tflops", "50", "--mfu", "0.25", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["world_size"] == 8 and plan["tokens_per_step"] == 24 * one["tokens_per_step"]
+    cfg = model_config(load_recipe(recipe))
+    T = load_recipe(recipe).data.block_size
+    sequences = plan["tokens_per_step"] // T
+    assert plan["train_flops_per_step"] == train_flops(cfg, T).total * sequences
+    assert plan["seconds_per_step"] == plan["train_flops_per_step"] / (8 * 50e12 * 0.25)
+    assert plan["tokens_per_second"] == pytest.approx(plan["tokens_per_step"] / plan["seconds_per_step"])
+    # bf16-mixed: float32 weights and AdamW's two float32 moments; a 2000-token vocabulary is a uint16 cache
+    assert plan["precision"] == "bf16-mixed" and plan["checkpoint_bytes"] == count_parameters(cfg) * (4 + 4 + 4)
+    assert plan["data_bytes_per_second_per_node"] == pytest.approx(plan["tokens_per_second"] / 2 * 2)
+    assert plan["memory_per_device"] == one["memory_per_device"]  # DDP: each device holds it all
+    assert main([*argv, "trainer.strategy=fsdp", "trainer.precision=bf16-true", "--plan", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)["plan"]
+    assert sharded["memory_per_device"]["states"] == count_parameters(cfg) * 8 // 8
+    assert sharded["checkpoint_bytes"] == count_parameters(cfg) * 6
+    assert main([*argv, "--plan"]) == 0
+    text = capsys.readouterr().out
+    assert "plan: 2 node(s) x 4 device(s) = 8" in text and "give --peak-tflops" in text
 
 
 # ----------------------------------------------------------------------------- tiny runs

@@ -194,6 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="PRESET_OR_RECIPE")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="plan the recipe's run on trainer.num_nodes x trainer.devices: memory per device, tokens, FLOPs "
+        "and time per step, checkpoint size, data read per node (implied by --peak-tflops and --mfu)",
+    )
+    p.add_argument("--peak-tflops", type=float, metavar="X", help="a device's dense peak TFLOP/s, for time per step")
+    p.add_argument("--mfu", type=float, metavar="F", help="model FLOPs utilisation assumed (default 0.4)")
     p.add_argument("--debug", **DEBUG)
 
     p = sub.add_parser(
@@ -240,10 +248,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"run_dir": cfg.run.dir, **metrics}))
         return 0
     if args.command == "info":
-        from lit_transformer.commands.info import format_info, info
+        from lit_transformer.commands.info import DEFAULT_MFU, format_info, format_plan, info, plan
 
         out = info(args.target, args.overrides)
-        print(json.dumps(out) if args.json else format_info(out))
+        text = format_info(out)
+        if args.plan or args.peak_tflops is not None or args.mfu is not None:
+            mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+            out["plan"] = plan(args.target, args.overrides, args.peak_tflops, mfu)
+            text += "\n\n" + format_plan(out["plan"])
+        print(json.dumps(out) if args.json else text)
         return 0
     if args.command == "average":
         from lit_transformer.commands.average import average

@@ -1,6 +1,8 @@
 """`lit-transformer info PRESET_OR_RECIPE`: size, training compute and KV-cache memory of a
 model, from its config alone (nothing is built or allocated). See model/accounting.py for
-the conventions behind each number.
+the conventions behind each number. With `--plan`, a recipe's training run is planned too:
+memory per device, tokens, FLOPs and time per step, checkpoint size and the data rate per node
+(docs/scaling.md, "Planning a run from the config").
 """
 
 from __future__ import annotations
@@ -132,3 +134,118 @@ def format_info(d: dict[str, Any]) -> str:
     config = " ".join(f"{key}={value}" for key, value in d["config"].items())
     lines += ["", "config:"] + textwrap.wrap(config, width=100, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- planning a run
+
+DEFAULT_MFU = 0.4
+
+
+def plan(
+    target: str, overrides: Sequence[str] = (), peak_tflops: float | None = None, mfu: float = DEFAULT_MFU
+) -> dict[str, Any]:
+    """What one optimizer step of a recipe costs on trainer.num_nodes x trainer.devices devices,
+    from the config alone, as a JSON-serialisable dict. Planning launches nothing, so the devices
+    need not exist here (a trainer.devices of "auto" counts this machine's GPUs, as a launch would).
+    Every sequence is taken as full at the recipe's longest input: exact for packed LM blocks, an
+    upper bound for the ragged batches of the other objectives."""
+    if peak_tflops is not None and not peak_tflops > 0:
+        raise RecipeError(f"--peak-tflops={peak_tflops} must be a positive number of TFLOP/s per device")
+    if not 0 < mfu <= 1:
+        raise RecipeError(f"--mfu={mfu} must be a fraction in (0, 1]")
+    if not os.path.isfile(target):
+        raise RecipeError(f"{target}: --plan needs a recipe (a preset has no trainer or data section)")
+    # preflight and pack import torch: only a plan pays for it, so that plain `info` stays light
+    from lit_transformer.data.pack import token_dtype
+    from lit_transformer.recipe.load import longest_input
+    from lit_transformer.training import preflight
+
+    recipe = load_recipe(target, overrides)
+    _, _, cfg = load_model_config(target, overrides)
+    t, data = recipe.trainer, recipe.data
+    length_key, tokens = longest_input(recipe)
+    memory = preflight.estimate(t, data, cfg, tokens)
+    sequences = data.batch_size if data.batch_tokens is None else max(data.batch_tokens // tokens, 1)
+    devices = preflight.processes_per_node(t)
+    world = devices * t.num_nodes
+    sequences_per_step = sequences * world * t.accumulate_grad_batches
+    step_tokens = sequences_per_step * tokens
+    step_flops = train_flops(cfg, tokens).total * sequences_per_step
+    params = count_parameters(cfg)
+    weight_bytes = 2 if t.precision == "bf16-true" else 4  # mixed precision keeps float32 master weights
+    out: dict[str, Any] = {
+        "num_nodes": t.num_nodes,
+        "devices_per_node": devices,
+        "world_size": world,
+        "strategy": t.strategy,
+        "precision": t.precision,
+        "seq_len": tokens,
+        "seq_len_key": length_key,
+        "sequences_per_device_batch": sequences,
+        "accumulate_grad_batches": t.accumulate_grad_batches,
+        "tokens_per_step": step_tokens,
+        "train_flops_per_step": step_flops,
+        "memory_per_device": {"states": memory.states, "activations": memory.activations, "total": memory.per_rank},
+        # the weights and AdamW's two moments, each in the weights' dtype
+        "checkpoint_bytes_per_parameter": 3 * weight_bytes,
+        "checkpoint_bytes": 3 * weight_bytes * params,
+        "token_cache_bytes_per_token": token_dtype(cfg.vocab_size).itemsize,
+        "peak_tflops": peak_tflops,
+        "mfu": mfu,
+        "seconds_per_step": None,
+        "tokens_per_second": None,
+        "tokens_per_second_per_device": None,
+        "data_bytes_per_second_per_node": None,
+    }
+    if peak_tflops is not None:
+        seconds = step_flops / (world * peak_tflops * 1e12 * mfu)
+        out["seconds_per_step"] = seconds
+        out["tokens_per_second"] = step_tokens / seconds
+        out["tokens_per_second_per_device"] = step_tokens / seconds / world
+        out["data_bytes_per_second_per_node"] = step_tokens / seconds / t.num_nodes * out["token_cache_bytes_per_token"]
+    return out
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """A human-readable table of a `plan` dict."""
+    title = (
+        f"plan: {p['num_nodes']} node(s) x {p['devices_per_node']} device(s) = {p['world_size']}, "
+        f"strategy={p['strategy']}, precision={p['precision']}"
+    )
+    mem = p["memory_per_device"]
+    batch = f"{p['sequences_per_device_batch']} seq x {p['seq_len']} ({p['seq_len_key']})"
+    rows = [
+        (
+            "memory / device (start-up estimate)",
+            f"{mem['total'] / 1e9:.3g} GB = states {mem['states'] / 1e9:.3g} GB (weights, gradients, AdamW) "
+            f"+ activations {mem['activations'] / 1e9:.3g} GB at {batch}",
+        ),
+        (
+            "tokens / step",
+            f"{p['tokens_per_step']:,}  (= {batch} x {p['world_size']} devices "
+            f"x {p['accumulate_grad_batches']} accumulation)",
+        ),
+        ("train FLOPs / step (6N + attention)", _si(p["train_flops_per_step"], "FLOP")),
+    ]
+    if p["seconds_per_step"] is None:
+        rows.append(("time / step", "give --peak-tflops (the device's dense peak) to estimate it"))
+    else:
+        at = f"at {p['mfu']:.0%} MFU of {p['peak_tflops']:g} TFLOP/s per device"
+        rows += [
+            ("time / step", f"{p['seconds_per_step']:.4g} s  ({at})"),
+            ("tokens / s", f"{_si(p['tokens_per_second'])} run, {_si(p['tokens_per_second_per_device'])} per device"),
+            (
+                "data read / s / node",
+                f"{_si(p['data_bytes_per_second_per_node'], 'B')}  (packed token cache, "
+                f"{p['token_cache_bytes_per_token']} B/token)",
+            ),
+        ]
+    rows.append(
+        (
+            "checkpoint",
+            f"{p['checkpoint_bytes'] / 1e9:.3g} GB  (weights + AdamW moments, "
+            f"{p['checkpoint_bytes_per_parameter']} B/parameter)",
+        )
+    )
+    width = max(len(label) for label, _ in rows)
+    return "\n".join([title, "-" * len(title)] + [f"{label:<{width}}  {value}" for label, value in rows])
