@@ -101,6 +101,9 @@ def test_in_place_reorder_equals_selecting_rows():
     assert torch.equal(cache.keys[:, :, :, :6], expected[0]) and torch.equal(cache.values[:, :, :, :6], expected[1])
     cache.reorder(torch.tensor([1, 3]))  # fewer rows: prompts finished
     assert cache.keys.shape[1] == 2 and torch.equal(cache.keys[:, :, :, :6], expected[0][:, [1, 3]])
+    assert cache.keys.data_ptr() == keys_storage  # the front of the same cache, no new one
+    cache.reorder(torch.tensor([1, 0, 0]))  # more rows than it holds: a new cache
+    assert cache.keys.shape[1] == 3 and torch.equal(cache.keys[:, :, :, :6], expected[0][:, [3, 1, 1]])
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])

@@ -171,16 +171,19 @@ class KVCache:
 
     def reorder(self, index: torch.Tensor, *, within_groups: bool = False) -> None:
         """Keep batch rows `index` (R',): beam search's surviving beams' parents, and fewer rows
-        once prompts finish. A permutation of the same number of rows rewrites only the cached
-        positions in place (no new cache per step). within_groups: the rows move only among
-        rows that share an encoder output (the beams of one prompt), so the cross-attention
-        keys and values stay as they are."""
-        if index.numel() == self.keys.shape[1]:
+        once prompts finish. With R' <= R the cache stays where it is: row i takes row index[i]
+        (only the cached positions, only the rows that change), and finished rows are cut off
+        the end as a view, so no new cache is allocated in a step or when prompts finish.
+        within_groups: the rows move only among rows that share an encoder output (the beams
+        of one prompt), so the cross-attention keys and values stay as they are."""
+        rows = index.numel()
+        if rows <= self.keys.shape[1]:
             used = min(self.length, self.keys.shape[3])  # a ring (RollingKVCache) is full after M tokens
             # only the rows that take another row's place: a beam that extends itself stays put
-            moved = torch.nonzero(index != torch.arange(index.numel(), device=index.device))[:, 0]  # (R'',)
+            moved = torch.nonzero(index != torch.arange(rows, device=index.device))[:, 0]  # (R'',)
             if moved.numel():
                 self._copy_rows(index[moved], moved, used)
+            self.keys, self.values = self.keys[:, :rows], self.values[:, :rows]
         else:
             self.keys = self.keys.index_select(1, index)
             self.values = self.values.index_select(1, index)
