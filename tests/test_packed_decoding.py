@@ -72,6 +72,14 @@ def test_nothing_is_packed_where_it_does_not_apply():
     assert not packing_available(model)
     with packed_linears(model) as count:
         assert count == 0
+
+    class Wrapped(torch.Tensor):  # stands for a DTensor: a weight that is not a plain tensor
+        pass
+
+    layer = nn.Linear(5, 3)
+    layer.weight = nn.Parameter(layer.weight.detach().as_subclass(Wrapped))
+    with packed_linears(layer) as count:
+        assert count == 0 and "forward" not in layer.__dict__
     compiled = odd_model()
     compiled.transformer.decoder.blocks[0].compile()  # as trainer.compile does per block
     assert not packing_available(compiled)

@@ -85,6 +85,8 @@ def packed_linears(model: nn.Module, rows: int = 1) -> Iterator[int]:
         for module in model.modules():
             if (
                 type(module) is nn.Linear
+                # a plain tensor: not a sharded (FSDP2 DTensor) or otherwise wrapped weight
+                and type(module.weight.data) is torch.Tensor
                 and "forward" not in module.__dict__
                 and not (module._forward_hooks or module._forward_pre_hooks)
                 and module.weight.dtype in _PACKED_DTYPES
