@@ -22,6 +22,7 @@ LAYERS = [
     {"recipe"},  # the schema, reading recipes, the objective registry, mixtures of tasks
     {"training"},  # trainer factory, callbacks, DDP/FSDP2, checkpoints, run directories, start-up checks
     {"objectives"},
+    {"evaluation"},  # named evaluations (the recipe's eval section), in training and by `evaluate`
     {"commands"},  # the command line and each command's work
     {"__init__"},
 ]

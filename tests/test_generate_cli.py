@@ -9,7 +9,10 @@ import torch
 from helpers import seeded_model, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from lit_transformer.commands.batch_generate import (
+from lit_transformer.commands.cli import build_parser, main
+from lit_transformer.data.tokenizer import SpecialTokens
+from lit_transformer.errors import RunError
+from lit_transformer.evaluation.batch_generate import (
     BATCH_ROWS,
     BATCH_TOKENS,
     BatchGenerator,
@@ -17,10 +20,7 @@ from lit_transformer.commands.batch_generate import (
     decoding_dtype,
     plan_batches,
 )
-from lit_transformer.commands.cli import build_parser, main
-from lit_transformer.commands.prompts import with_prompt
-from lit_transformer.data.tokenizer import SpecialTokens
-from lit_transformer.errors import RunError
+from lit_transformer.evaluation.prompts import with_prompt
 
 WORDS = "open read the file and return its lines as a list of strings for every path".split()
 

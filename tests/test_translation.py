@@ -160,7 +160,7 @@ def test_generate_input_writes_outputs_in_input_order(name, tiny_runs, tmp_path,
     lines = [" ".join(rng.choice(words) for _ in range(n)) for n in (9, 1, 5, 12, 3, 7, 2, 10)]
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n")
-    from lit_transformer.commands import batch_generate
+    from lit_transformer.evaluation import batch_generate
 
     alone_only = ["--continuation-only"] if name == "tiny-clm" else []  # the flag changes nothing for seq2seq
     for beams in ("1", "3"):
@@ -248,9 +248,9 @@ def test_generate_input_jsonl_column_and_bad_inputs(tiny_runs, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
-    from lit_transformer.commands.batch_generate import BatchGenerator, Decoding
     from lit_transformer.commands.inference import batch_generator
-    from lit_transformer.commands.prompts import complete, encode_prompt
+    from lit_transformer.evaluation.batch_generate import BatchGenerator, Decoding
+    from lit_transformer.evaluation.prompts import complete, encode_prompt
 
     run = str(tiny_runs["tiny-clm"])
     text = " ".join(f"value_{i} = read(path, {i})" for i in range(40))  # far more than 32 tokens

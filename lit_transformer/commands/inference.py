@@ -11,17 +11,6 @@ from typing import Any
 
 import torch
 
-from lit_transformer.commands.batch_generate import (
-    BATCH_ROWS,
-    BATCH_TOKENS,
-    BatchGenerator,
-    ContextNotes,
-    Decoding,
-    check_batching,
-    decoding_dtype,
-    translation_scores,
-)
-from lit_transformer.commands.batch_generate import generate_file as run_file
 from lit_transformer.commands.loading import (
     label_names,
     load_for_evaluation,
@@ -32,6 +21,17 @@ from lit_transformer.commands.loading import (
 )
 from lit_transformer.commands.train import cpu_threads, data_module
 from lit_transformer.errors import RunError
+from lit_transformer.evaluation.batch_generate import (
+    BATCH_ROWS,
+    BATCH_TOKENS,
+    BatchGenerator,
+    ContextNotes,
+    Decoding,
+    check_batching,
+    decoding_dtype,
+    translation_scores,
+)
+from lit_transformer.evaluation.batch_generate import generate_file as run_file
 from lit_transformer.recipe import registry
 from lit_transformer.training.rundir import CONFIG_YAML
 

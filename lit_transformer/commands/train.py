@@ -24,8 +24,8 @@ from lit_transformer.commands.loading import (
     source_model_config,
     with_overrides,
 )
-from lit_transformer.commands.prompts import complete, encode_prompt, show_prompt
 from lit_transformer.errors import RunError
+from lit_transformer.evaluation.prompts import complete, encode_prompt, show_prompt
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry

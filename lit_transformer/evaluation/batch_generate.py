@@ -24,8 +24,8 @@ from typing import TextIO
 
 import torch
 
-from lit_transformer.commands.prompts import complete_ids, decode_new, encode_prompt, generated_length, with_prompt
 from lit_transformer.errors import RunError
+from lit_transformer.evaluation.prompts import complete_ids, decode_new, encode_prompt, generated_length, with_prompt
 from lit_transformer.model.packed_linear import packed_linears
 from lit_transformer.recipe.load import cpu_has_bf16_matmul
 from lit_transformer.recipe.registry import PromptStyle

@@ -1,0 +1,5 @@
+"""Named evaluations (the recipe's `eval` section), run during training and by `evaluate --suite`,
+and the batched decoding they and `generate --input` share.
+
+Imports `model/`, `data/`, `recipe/`, `training/`, `objectives/` and `errors`.
+"""

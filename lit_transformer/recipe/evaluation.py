@@ -1,0 +1,125 @@
+"""The recipe's `eval` section: named evaluations run during training and by `evaluate --suite`.
+
+One flat dataclass for every kind (as TaskConfig is for every objective of a mixture): an
+entry sets the keys its kind reads, and `__post_init__` refuses, in one line naming the
+entry, a key that another kind reads or a required key left out. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+from omegaconf import MISSING
+
+from lit_transformer.errors import RecipeError, closest
+
+# heldout: loss / perplexity / bits per byte on a named text set; classify: a probe on a labelled
+# train and dev file; choice: zero-shot multiple choice by log-likelihood (the lm-evaluation-
+# harness's acc and acc_norm); translate: BLEU and chrF of decoded source sentences
+EvalKind = Literal["heldout", "classify", "choice", "translate"]
+EVAL_KINDS = typing.get_args(EvalKind)
+# linear: frozen backbone features, pooled as finetune pools, then logistic regression;
+# finetune: a copy of the backbone fine-tuned with a fresh head for `steps` steps
+ProbeMode = Literal["linear", "finetune"]
+# data sets built from the Python standard library, so the tiny recipes evaluate out of the box:
+# stdlib_text (heldout: the embedded corpus's validation files), docstring_package (classify: the
+# embedded 8-package docstring task), docstring_function (choice: which of four function names
+# goes with a docstring), next_line (choice: which of four lines continues a function)
+Embedded = Literal["stdlib_text", "docstring_package", "docstring_function", "next_line"]
+EMBEDDED_KIND = {
+    "stdlib_text": "heldout",
+    "docstring_package": "classify",
+    "docstring_function": "choice",
+    "next_line": "choice",
+}
+
+# the keys each kind reads besides name, kind, every_n_steps, max_examples and embedded
+KIND_KEYS = {
+    "heldout": ("files", "format", "text_format", "text_column"),
+    "classify": (
+        "files",
+        "train_files",
+        "format",
+        "text_column",
+        "text_pair_column",
+        "label_column",
+        "mode",
+        "steps",
+        "lr",
+        "pooling",
+    ),
+    "choice": ("files",),
+    "translate": ("files", "target_files", "num_beams", "length_penalty", "max_new_tokens"),
+}
+COMMON_KEYS = ("name", "kind", "every_n_steps", "max_examples", "embedded")
+
+
+@dataclass
+class EvalConfig:
+    name: str = MISSING  # logged as eval/<name>/<metric>; unique within the section
+    kind: EvalKind = MISSING
+    # run at every validation whose step is a multiple of this (null: every validation) and at the end
+    every_n_steps: int | None = None
+    max_examples: int | None = None  # the first N examples (rows, sentences, documents); null: all
+    embedded: Embedded | None = None  # a built-in set instead of files (its kind must match)
+    # heldout: text files or globs (any format data reads); classify: the labelled dev file(s);
+    # choice: jsonl rows {context, choices, label}; translate: source sentences, one per line
+    files: list[str] = field(default_factory=list)
+    train_files: list[str] = field(default_factory=list)  # classify: the probe's labelled training file(s)
+    target_files: list[str] = field(default_factory=list)  # translate: reference sentences aligned with files
+    # how the files read, as the data section's keys of the same names (null: the run's data section's value)
+    format: str | None = None
+    text_format: str | None = None
+    text_column: str | None = None
+    text_pair_column: str | None = None
+    label_column: str | None = None
+    mode: ProbeMode = "linear"  # classify
+    steps: int = 100  # classify, mode finetune: optimizer steps of the probe's fine-tuning
+    lr: float = 1e-4  # classify, mode finetune: AdamW learning rate (the head gets 10x)
+    pooling: str | None = None  # classify: first | mean | last; null: finetune's default for the architecture
+    # translate: null takes the recipe's objective.num_beams / objective.length_penalty / data.max_target_length
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self):
+        where = f"eval.{self.name}"
+        if self.kind not in EVAL_KINDS:
+            raise RecipeError(
+                f"{where}.kind={self.kind!r} is not one of {list(EVAL_KINDS)}{closest(self.kind, EVAL_KINDS)}"
+            )
+        for f in dataclasses.fields(self):
+            if f.name in COMMON_KEYS or f.name in KIND_KEYS[self.kind]:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if getattr(self, f.name) != default:
+                users = [k for k, keys in KIND_KEYS.items() if f.name in keys]
+                raise RecipeError(
+                    f"{where}.{f.name}: a {self.kind} evaluation does not read {f.name} (it is for {', '.join(users)})"
+                )
+        if self.embedded is not None:
+            need_kind = EMBEDDED_KIND[self.embedded]
+            if need_kind != self.kind:
+                raise RecipeError(f"{where}.embedded={self.embedded!r} is a {need_kind} set, not {self.kind}")
+            if self.files or self.train_files or self.target_files:
+                raise RecipeError(f"{where}: embedded={self.embedded!r} and files are both set: name one")
+        elif not self.files:
+            raise RecipeError(f"{where}: a {self.kind} evaluation needs files (or embedded: a built-in set)")
+        if self.embedded is None and "train_files" in KIND_KEYS[self.kind] and not self.train_files:
+            raise RecipeError(f"{where}.train_files: a {self.kind} probe needs labelled training files")
+        if self.kind == "translate" and self.embedded is None and len(self.target_files) != len(self.files):
+            raise RecipeError(
+                f"{where}.target_files: {len(self.target_files)} file(s) for {len(self.files)} source file(s); "
+                "each source file needs its aligned reference file"
+            )
+        for key in ("every_n_steps", "max_examples", "steps", "num_beams", "max_new_tokens"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise RecipeError(f"{where}.{key}={value!r} must be a positive integer")
+        if self.lr <= 0:
+            raise RecipeError(f"{where}.lr={self.lr!r} must be positive")
+        if self.pooling is not None and self.pooling not in ("first", "mean", "last"):
+            raise RecipeError(f"{where}.pooling={self.pooling!r} is not one of first, mean, last")
