@@ -32,16 +32,9 @@ from lit_transformer.evaluation.batch_generate import (
     translation_scores,
 )
 from lit_transformer.evaluation.batch_generate import generate_file as run_file
+from lit_transformer.evaluation.heldout import EVALUATE_NAMES
 from lit_transformer.recipe import registry
 from lit_transformer.training.rundir import CONFIG_YAML
-
-# what evaluate prints for the names the objectives log under val/ and test/
-EVALUATE_NAMES = {
-    "ppl": "perplexity",
-    "bpb": "bits_per_byte",
-    "masked_accuracy": "accuracy",
-    "token_accuracy": "accuracy",
-}
 
 
 def evaluate(

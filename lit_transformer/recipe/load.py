@@ -29,9 +29,10 @@ from omegaconf import errors as oc_errors
 
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.settings import LM_OBJECTIVES
-from lit_transformer.errors import RecipeError, first_line
+from lit_transformer.errors import RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
 from lit_transformer.recipe import mixture, registry
+from lit_transformer.recipe.evaluation import EvalConfig, eval_entries
 from lit_transformer.recipe.schema import (
     ALIASES,
     FinetuneConfig,
@@ -70,6 +71,7 @@ __all__ = [  # the schema's sections are re-exported: `from lit_transformer.reci
     "build_model_config",
     "check_fits",
     "load_recipe",
+    "load_suite",
     "longest_input",
     "model_config",
     "model_overrides",
@@ -375,8 +377,43 @@ def _check_tasks(tree: Any, source: str) -> None:
             raise RecipeError(f"{source}: {where}: {first_line(error)}") from None
 
 
+def _check_eval(tree: Any, source: str) -> None:
+    """Each entry of an `eval:` list, as _check_tasks checks tasks (recipe/evaluation.py)."""
+    if isinstance(tree, dict) and "eval" in tree:
+        eval_entries(tree["eval"], source)
+
+
+def load_suite(path: str | os.PathLike) -> list[EvalConfig]:
+    """The evaluations of a suite file (`evaluate --suite FILE`): a YAML file with a top-level
+    `eval:` list, as a recipe's, or a bare list; checked as a recipe's eval section is."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such suite file")
+    try:
+        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise RecipeError(f"{path}:{at}: malformed YAML: {problem}") from None
+    if isinstance(tree, dict):
+        unknown = [k for k in tree if k != "eval"]
+        if unknown:
+            raise RecipeError(
+                f"{path}: unknown key {unknown[0]}{closest(unknown[0], ['eval'])}: a suite file holds one `eval:` list"
+            )
+        tree = tree.get("eval")
+    elif not isinstance(tree, list):
+        raise RecipeError(f"{path}: a suite file is an `eval:` list (or a bare list of evaluations)")
+    entries = eval_entries(tree, str(path))
+    if not entries:
+        raise RecipeError(f"{path}: the suite lists no evaluation")
+    return entries
+
+
 def _merge(base: Any, tree: Any, source: str) -> Any:
     _check_tasks(tree, source)
+    _check_eval(tree, source)
     try:
         return OmegaConf.merge(base, tree)
     except oc_errors.OmegaConfBaseException as error:

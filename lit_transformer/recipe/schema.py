@@ -22,6 +22,7 @@ from omegaconf import MISSING
 from lit_transformer.data.settings import DataConfig, TokenizerConfig
 from lit_transformer.errors import RecipeError, closest
 from lit_transformer.model.config import TransformerConfig
+from lit_transformer.recipe.evaluation import EvalConfig
 
 Strategy = Literal["auto", "ddp", "fsdp"]
 Accelerator = Literal["auto", "cpu", "gpu", "cuda", "mps"]
@@ -342,6 +343,8 @@ class RunConfig:
     # a mixture of objectives on one set of weights (recipe/mixture.py); empty: the one objective.name
     tasks: list[TaskConfig] = field(default_factory=list)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    # named evaluations run at validation and by `evaluate --suite` (recipe/evaluation.py); empty: none
+    eval: list[EvalConfig] = field(default_factory=list)
     resume: str | None = None  # null | auto | path to a Lightning checkpoint
 
 
