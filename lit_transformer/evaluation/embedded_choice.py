@@ -1,0 +1,102 @@
+"""The built-in multiple-choice sets of the `choice` kind (EvalConfig.embedded), made from the
+Python standard library that every install carries, so the tiny recipes evaluate out of the box.
+
+- docstring_function: which of four function names goes with a docstring's summary line. From
+  the validation split of the embedded seq2seq task (data.stdlib.seq2seq_examples), which no
+  training run of the tiny recipes reads. The context is the summary as a comment above `def `.
+- next_line: which of four lines continues a function. From the embedded corpus's validation
+  files (data.stdlib.corpus_split), which the pretraining recipes hold out.
+
+Both are deterministic (a seeded random.Random over sorted inputs; the right answer's position
+cycles through the four slots, so a model that prefers one slot scores chance) and rows are
+dicts {context, choices, label}, the same shape as a choice jsonl file.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import random
+
+from lit_transformer.data import stdlib
+
+CHOICES = 4
+MAX_ROWS = 200  # enough for a 7-point-wide 95% interval around chance, small enough to score in seconds
+PER_FILE = 40  # next_line: functions per file at most, so that no one file makes the set
+MAX_LINE_CHARS = 100  # next_line: longer lines would give themselves away by length
+SEED = 0
+
+
+def embedded_rows(name: str) -> list[dict]:
+    """The rows of a built-in set (fresh dicts: a caller may change them)."""
+    makers = {"docstring_function": docstring_function, "next_line": next_line}
+    if name not in makers:
+        raise ValueError(f"no embedded choice set {name!r}; there are {sorted(makers)}")
+    return [dict(row, choices=list(row["choices"])) for row in makers[name]()]
+
+
+def _place(rng: random.Random, right: str, wrong: list[str], slot: int) -> dict:
+    choices = list(wrong)
+    rng.shuffle(choices)
+    choices.insert(slot, right)
+    return {"choices": tuple(choices), "label": slot}
+
+
+@functools.lru_cache(maxsize=1)
+def docstring_function() -> tuple[dict, ...]:
+    examples = stdlib.seq2seq_examples()["validation"][:MAX_ROWS]
+    names = sorted({ex["target"] for ex in examples})
+    rng = random.Random(SEED)
+    rows = []
+    for n, ex in enumerate(examples):
+        right = ex["target"]
+        wrong = rng.sample([name for name in names if name != right], CHOICES - 1)
+        row = _place(rng, right, wrong, n % CHOICES)
+        # the space after `def` moves onto each name (choice.split_whitespace), as in running code
+        rows.append({"context": f"# {ex['source']}\ndef ", **row})
+    return tuple(rows)
+
+
+def _functions(source: str) -> list[list[str]]:
+    """The non-blank source lines of each function of a module, outermost first."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # a file for another Python version
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+            body = [line.rstrip() for line in lines[node.lineno - 1 : node.end_lineno]]
+            out.append([line for line in body if line.strip()])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def next_line() -> tuple[dict, ...]:
+    rng = random.Random(SEED)
+    functions: list[list[str]] = []
+    for _, path in stdlib.corpus_split("validation"):
+        found = [f for f in _functions(path.read_text("utf-8", "replace")) if len(f) >= 4]
+        functions.extend(found[:PER_FILE])
+    # every line of every function, stripped: the pool distractors come from
+    pool = sorted({line.strip() for f in functions for line in f if len(line.strip()) <= MAX_LINE_CHARS})
+    rows: list[dict] = []
+    for f in functions:
+        if len(rows) == MAX_ROWS:
+            break
+        cut = rng.randint(2, min(6, len(f) - 1))  # the def line and at least one more as context
+        right = f[cut]
+        if len(right.strip()) > MAX_LINE_CHARS:
+            continue
+        indent = right[: len(right) - len(right.lstrip())]
+        own = {line.strip() for line in f}  # a line of the same function could also be right
+        wrong = []
+        while len(wrong) < CHOICES - 1:
+            other = rng.choice(pool)
+            if other not in own and indent + other not in wrong:
+                wrong.append(indent + other)  # the right line's indentation: content decides, not layout
+        row = _place(rng, right, wrong, len(rows) % CHOICES)
+        # the newline ending the context moves onto each choice (choice.split_whitespace)
+        rows.append({"context": "\n".join(f[:cut]) + "\n", **row})
+    return tuple(rows)
