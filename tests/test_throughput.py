@@ -72,8 +72,10 @@ def test_tokens_per_s_and_mfu_over_a_logging_window(monkeypatch):
     logged = run(monkeypatch, [{}, {"pad": 2}, None, {}], every=2, peak=peak, world=2)
     assert [(step, name) for step, name, _ in logged] == [
         (2, "train/tokens_per_s"),
+        (2, "train/tokens_seen"),
         (2, "train/mfu"),
         (4, "train/tokens_per_s"),
+        (4, "train/tokens_seen"),
         (4, "train/mfu"),
     ]
     flops = train_flops(CFG, T)
@@ -87,12 +89,23 @@ def test_tokens_per_s_and_mfu_over_a_logging_window(monkeypatch):
     # steps 3 (skipped: no work) and 4 share the next window
     assert values[4, "train/tokens_per_s"] == pytest.approx(2 * B * T / 4.0)
     assert values[4, "train/mfu"] == pytest.approx(2 * (B * T * body + 5 * head) / 4.0 / (peak * 2), rel=1e-6)
+    # the running count of every rank's tokens: the x axis of `plot --x tokens`
+    assert values[2, "train/tokens_seen"] == 2 * tokens
+    assert values[4, "train/tokens_seen"] == 2 * tokens + 2 * B * T
 
 
 def test_no_mfu_without_a_known_peak(monkeypatch):
     logged = run(monkeypatch, [{}, {}, {}], every=1, peak=None)
-    assert [name for _, name, _ in logged] == ["train/tokens_per_s"] * 3  # CPU: no datasheet peak
+    assert [name for _, name, _ in logged] == ["train/tokens_per_s", "train/tokens_seen"] * 3  # CPU: no peak
 
 
 def test_a_window_of_skipped_steps_logs_nothing(monkeypatch):
     assert run(monkeypatch, [None, None, {}], every=1, peak=1e9)[0][0] == 3
+
+
+def test_tokens_seen_resumes_from_the_checkpoint():
+    callback = Throughput()
+    callback.tokens_seen = 1234.0
+    resumed = Throughput()
+    resumed.load_state_dict(callback.state_dict())
+    assert resumed.tokens_seen == 1234.0

@@ -1,7 +1,8 @@
-"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, average, export.
+"""`lit-transformer`: pretrain, finetune, evaluate, generate, prepare, info, average, export, plot, compare.
 
 Each subcommand parses its arguments and calls one function: `runner` trains, `inference`
-evaluates, generates and exports, `info` counts. A user error (a bad
+evaluates, generates and exports, `suite` runs named evaluations, `info` counts, `plot` and
+`compare` read run directories' logs and metrics. A user error (a bad
 recipe, missing data, a missing run directory, a bad checkpoint) prints one line,
 `error: ...`, and exits with status 2; `--debug` shows the traceback instead.
 """
@@ -12,6 +13,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from lit_transformer.errors import RecipeError, RunError
 
 # the batching and dtype flags of generate and evaluate's translation decoding; the defaults copy
 # batch_generate.BATCH_ROWS and BATCH_TOKENS, which this module cannot import without torch
@@ -122,6 +125,38 @@ def build_parser() -> argparse.ArgumentParser:
         default="validation",
         help="the run's split to evaluate: validation (default) or test (the recipe's data.test_files)",
     )
+    suite = p.add_argument_group(
+        "named evaluations",
+        "any of these runs the evaluation suite instead of the split's metrics (see docs/commands.md)",
+    )
+    suite.add_argument("--suite", metavar="FILE.yaml", help="the evaluations listed in this YAML file")
+    suite.add_argument(
+        "--eval",
+        dest="eval_names",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the run's recipe evaluation NAME (repeatable; default: all of the run's own)",
+    )
+    suite.add_argument(
+        "--all-checkpoints",
+        action="store_true",
+        help="evaluate every checkpoint of the run and write the curve (see --output)",
+    )
+    suite.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="comma-separated lm-evaluation-harness tasks, e.g. hellaswag,arc_easy (needs the eval extra)",
+    )
+    suite.add_argument("--lm-eval-include", metavar="DIR", help="a folder of lm-eval task YAML files to add")
+    suite.add_argument(
+        "--limit", type=int, metavar="N", help="at most N examples per evaluation and lm-eval task (default: all)"
+    )
+    suite.add_argument(
+        "--output",
+        metavar="FILE",
+        help="with --all-checkpoints: the curve's CSV file (default: the run directory's eval_curve.csv)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--debug", **DEBUG)
 
@@ -226,7 +261,95 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output directory")
     p.add_argument("--format", default="hf", choices=["hf"], help="output format (default: hf)")
     p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "plot",
+        help="plot the curves of runs from their CSV logs into an image",
+        description="One panel per metric, one line per run (labelled with its directory's name), from the "
+        "runs' CSV logs. Default metrics: train/loss, val/ loss, bpb, accuracy, macro_f1 and bleu, and every "
+        "eval/ metric but */seconds.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="plot the metrics matching this glob pattern, e.g. 'val/*' (repeatable; each must match)",
+    )
+    p.add_argument(
+        "--x",
+        choices=("step", "tokens"),
+        default="step",
+        help="x axis: optimizer step (default) or training tokens seen (needs a tokens-seen column in the logs)",
+    )
+    p.add_argument("--output", required=True, metavar="FILE.png", help="the image to write (.png, .pdf or .svg)")
+    p.add_argument("--debug", **DEBUG)
+
+    p = sub.add_parser(
+        "compare",
+        help="a table of runs' final metrics",
+        description="A markdown table of the runs' final metrics, one row per run: each run's metrics.json, and "
+        "for val/, test/ and eval/ metrics missing from it, the last value in its CSV log (marked *).",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
+    p.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="only the metrics matching this glob pattern, e.g. 'eval/*' (repeatable; each must match)",
+    )
+    p.add_argument("--json", action="store_true", help="print {run: {metric: value}} as one JSON object")
+    p.add_argument("--debug", **DEBUG)
     return parser
+
+
+# evaluate's flags (argparse dests) of the split's metrics, and of the evaluation suite; no flag of
+# the one means anything to the other
+SPLIT_FLAGS = ("data", "data_target", "max_batches", "num_beams", "length_penalty", "max_new_tokens", "task")
+SUITE_FLAGS = ("suite", "eval_names", "all_checkpoints", "lm_eval", "lm_eval_include", "limit", "output")
+
+
+def _flag(dest: str) -> str:
+    return "--eval" if dest == "eval_names" else "--" + dest.replace("_", "-")
+
+
+def _suite_requested(args: argparse.Namespace) -> bool:
+    """Whether evaluate runs the suite; a RunError for a flag of the split's metrics beside it."""
+    given = [_flag(key) for key in SUITE_FLAGS if getattr(args, key) not in (None, False, [])]
+    if not given:
+        return False
+    clash = [_flag(key) for key in SPLIT_FLAGS if getattr(args, key) is not None]
+    clash += ["--split test"] if args.split != "validation" else []
+    if clash:
+        raise RunError(
+            f"evaluate: {clash[0]} does not go with {given[0]} (the split's metrics or the evaluation suite)"
+        )
+    if args.output is not None and not args.all_checkpoints:
+        raise RunError("evaluate: --output names the file --all-checkpoints writes; add --all-checkpoints")
+    if args.lm_eval_include is not None and args.lm_eval is None:
+        raise RunError("evaluate: --lm-eval-include adds task files for --lm-eval; add --lm-eval TASKS")
+    if args.lm_eval is not None and not _task_names(args.lm_eval):
+        raise RunError(f"evaluate: --lm-eval {args.lm_eval!r} names no task (comma-separated names, e.g. hellaswag)")
+    if args.limit is not None and args.limit < 1:
+        raise RunError(f"evaluate: --limit {args.limit}: at least 1 example")
+    return True
+
+
+def _task_names(tasks: str) -> list[str]:
+    return [name.strip() for name in tasks.split(",") if name.strip()]
+
+
+def _print_metrics(metrics: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(metrics))
+        return
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            print(f"{key:<24} {value:.4f}")
+        else:
+            print(f"{key:<24} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,6 +386,33 @@ def run(args: argparse.Namespace) -> int:
 
         print(average(args.run_dir, args.out, args.last))
         return 0
+    if args.command == "plot":
+        from lit_transformer.commands.plot import plot
+
+        curves = plot(args.runs, args.output, args.metric, x=args.x)
+        print(f"plot: {len(curves)} panels ({', '.join(curves)}) -> {args.output}")
+        return 0
+    if args.command == "compare":
+        from lit_transformer.commands.compare import compare, to_markdown
+
+        comparison = compare(args.runs, args.metric)
+        print(json.dumps(comparison.values) if args.json else to_markdown(comparison))
+        return 0
+    if args.command == "evaluate" and _suite_requested(args):
+        from lit_transformer.commands.suite import evaluate_suite
+
+        result = evaluate_suite(
+            args.target,
+            suite=args.suite,
+            eval_names=tuple(args.eval_names),
+            all_checkpoints=args.all_checkpoints,
+            lm_eval_tasks=None if args.lm_eval is None else _task_names(args.lm_eval),
+            lm_eval_include=args.lm_eval_include,
+            limit=args.limit,
+            output=args.output,
+        )
+        _print_metrics(result, args.json)
+        return 0
     from lit_transformer.commands import inference
 
     if args.command == "evaluate":
@@ -280,11 +430,7 @@ def run(args: argparse.Namespace) -> int:
             task=args.task,
             split=args.split,
         )
-        if args.json:
-            print(json.dumps(metrics))
-        else:
-            for key, value in metrics.items():
-                print(f"{key:<24} {value:.4f}" if isinstance(value, float) else f"{key:<24} {value}")
+        _print_metrics(metrics, args.json)
         return 0
     if args.command == "generate":
         decoding = dict(
@@ -319,7 +465,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from lit_transformer.data.errors import DataError
-    from lit_transformer.errors import RecipeError, RunError
     from lit_transformer.model.config import ConfigError
 
     args = build_parser().parse_args(argv)

@@ -86,6 +86,9 @@ class Throughput(Callback):
         self._window_start: float | None = None
         self._window: torch.Tensor | None = None  # (tokens, model FLOPs) since the window start
         self._window_step = 0
+        # tokens of every rank since the run started (resumes with the checkpoint): train/tokens_seen,
+        # the x axis that compares runs of different batch sizes (`plot --x tokens`)
+        self.tokens_seen = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
         if self._window_start is None:
@@ -104,10 +107,18 @@ class Throughput(Callback):
         seconds = max(now - self._window_start, 1e-9)
         totals = trainer.strategy.reduce(self._window, reduce_op="sum")  # (2,) over all ranks
         pl_module.log("train/tokens_per_s", totals[0] / seconds)
+        self.tokens_seen += float(totals[0])
+        pl_module.log("train/tokens_seen", self.tokens_seen)
         peak = self._peak(trainer, pl_module)
         if peak is not None:
             pl_module.log("train/mfu", totals[1] / seconds / (peak * trainer.world_size))
         self._window_start, self._window_step, self._window = now, trainer.global_step, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tokens_seen = float(state_dict.get("tokens_seen", 0.0))
 
     def _count(self, pl_module: L.LightningModule, work: StepWork) -> None:
         batch = work.batch
