@@ -36,7 +36,7 @@ from lit_transformer.training import preflight
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
 from lit_transformer.training.checkpoints import check_architecture, read_checkpoint
 from lit_transformer.training.distributed import is_sharded, meta_language_model
-from lit_transformer.training.rundir import CONFIG_YAML, open_run_dir
+from lit_transformer.training.rundir import CONFIG_YAML, TOKENIZER_JSON, open_run_dir
 from lit_transformer.training.trainer import build_trainer, finish_wandb
 
 
@@ -142,6 +142,9 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             check_architecture(read_checkpoint(ckpt, mmap=True), module.model_config.to_dict(), ckpt)
         save_config(cfg, run_dir / CONFIG_YAML)  # after the checks: a refused resume changes nothing
     extra = list(callbacks)
+    evaluations = named_evaluations(cfg, run_dir, dm)  # before training: a bad entry fails here
+    if evaluations is not None:
+        extra.append(evaluations)
     try:
         with worker_errors():
             if registry.spec(cfg.objective.name).generative(module.model_config.arch) and cfg.generation.enabled:
@@ -166,6 +169,10 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             with worker_errors():
                 trainer.validate(module, datamodule=dm, verbose=False)  # the final model's metrics
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if not interrupted and evaluations is not None:
+            if averaged:  # the averaged weights are new: every evaluation runs on them
+                evaluations.done_at.clear()
+            metrics.update(evaluations.finish(trainer, module))
         if not interrupted and names_test_files(cfg):
             module.measure_bytes_on(dm, "test")
             with worker_errors():
@@ -183,6 +190,20 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
     finally:
         finish_wandb(run_dir)
     return metrics
+
+
+def named_evaluations(cfg: RunConfig, run_dir: Path, dm: Any):
+    """The recipe's eval section as a callback, its data read and checked now; None without one."""
+    if not cfg.eval:
+        return None
+    from lit_transformer.evaluation.callback import NamedEvaluations
+    from lit_transformer.evaluation.suite import build_suite
+
+    # the evaluations tokenize with the run's tokenizer, which the data module has just written
+    eval_cfg = dataclasses.replace(
+        cfg, tokenizer=dataclasses.replace(cfg.tokenizer, path=str(run_dir / TOKENIZER_JSON))
+    )
+    return NamedEvaluations(build_suite(cfg.eval, eval_cfg), eval_cfg, dm.tokenizer, dm.special_tokens)
 
 
 @contextlib.contextmanager
