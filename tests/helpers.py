@@ -7,7 +7,11 @@ conftest.py and of the test files, whether pytest starts from the repository roo
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +45,9 @@ TINY_RUN = [
     "trainer.accelerator=cpu",
     "logger.wandb.mode=disabled",
     "generation.enabled=false",
+    # the tiny recipes' named evaluations (base/tiny-eval.yaml) cost seconds per validation; the
+    # tests of the eval section (test_eval_*.py) run them
+    "eval=[]",
 ]
 
 
@@ -159,3 +166,25 @@ def keyword_task(folder: Path, train: int = 240, val: int = 60) -> list[str]:
             lines.append(json.dumps({"text": " ".join(words), "label": KEYWORDS[keyword]}))
         (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     return [f"data.train_files=[{folder / 'train.jsonl'}]", f"data.val_files=[{folder / 'val.jsonl'}]"]
+
+
+def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout: int) -> None:
+    """Run `script` with `args` as rank 0 of a 2-process gloo job on this machine (Lightning starts
+    rank 1 by running the script again) with the token cache `cache`. A rank that waits on a
+    collective the other never enters hangs: the timeout turns it into a failure."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        LIT_TRANSFORMER_CACHE=str(cache),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        HF_HUB_OFFLINE="1",
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

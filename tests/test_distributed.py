@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN
+from helpers import RECIPES, TINY_RUN, run_two_ranks
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
@@ -115,12 +112,6 @@ if strategy == "fsdp":  # stop after step 1, resume from the sharded checkpoint
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
@@ -132,47 +123,22 @@ def single(tmp_path_factory, cache) -> Path:
     out = tmp_path_factory.mktemp("single")
     namespace: dict = {}
     exec(_RECORD, namespace)
-    before = os.environ.get("LIT_TRANSFORMER_CACHE")
-    os.environ["LIT_TRANSFORMER_CACHE"] = str(cache)
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LIT_TRANSFORMER_CACHE", str(cache))
         for name in OBJECTIVES:
             cfg = load_recipe(
                 RECIPES / f"tiny-{name}.yaml",
                 [*COMMON, *EXTRA.get(name, []), "data.batch_size=6", f"run.dir={out / name}"],
             )
             train(cfg, callbacks=[namespace["Record"](out / name / "record")], progress_bar=False)
-    finally:
-        if before is None:
-            os.environ.pop("LIT_TRANSFORMER_CACHE")
-        else:
-            os.environ["LIT_TRANSFORMER_CACHE"] = before
     return out
 
 
 def _two_processes(strategy: str, out: Path, cache: Path) -> Path:
     script = out / "run.py"
     script.write_text(_SCRIPT)
-    env = dict(
-        os.environ,
-        LIT_TRANSFORMER_CACHE=str(cache),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        HF_HUB_OFFLINE="1",
-    )
-    command = [
-        sys.executable,
-        str(script),
-        strategy,
-        str(out),
-        str(RECIPES),
-        json.dumps(COMMON),
-        json.dumps(OBJECTIVES),
-        json.dumps(EXTRA),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=out, timeout=400)
-    assert result.returncode == 0, result.stderr[-4000:]
+    args = [strategy, str(out), str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
+    run_two_ranks(script, args, cache, out, timeout=400)
     return out
 
 

@@ -41,16 +41,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, keyword_task
+from helpers import RECIPES, TINY_RUN, keyword_task, run_two_ranks
 
 from lit_transformer.commands.cli import main
 from lit_transformer.training.rundir import read_metrics
@@ -429,12 +425,6 @@ for args in json.loads(open(sys.argv[1]).read()):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(strategy: str, tmp_path_factory) -> Path:
     """Every row of the strategy, stopped and resumed, in one 2-process run (Lightning starts
     rank 1 by running the script again, so the script holds all of them)."""
@@ -442,24 +432,7 @@ def _two_processes(strategy: str, tmp_path_factory) -> Path:
     commands = [args for row in RUNS if row.strategy == strategy for args in stop_and_resume(row, out / row.id)]
     (out / "commands.json").write_text(json.dumps(commands))
     (out / "run.py").write_text(_SCRIPT)
-    env = dict(
-        os.environ,
-        LIT_TRANSFORMER_CACHE=str(tmp_path_factory.getbasetemp() / "cache"),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        HF_HUB_OFFLINE="1",
-    )
-    result = subprocess.run(
-        [sys.executable, str(out / "run.py"), str(out / "commands.json")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=out,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 600)
     return out
 
 

@@ -4,10 +4,11 @@ dev set's classes apart, after learning them from a labelled train set.
 - linear: frozen features (pooled as the `finetune` objective pools them), standardised with
   the train rows' mean and deviation, then multinomial logistic regression, full batch. No
   randomness at all: the same weights give the same numbers.
-- finetune: a deep copy of the backbone and a fresh ClassificationHead trained `steps` AdamW
-  steps on shuffled train batches, then read on the dev rows. The copy is thrown away; the
-  shuffling comes from a private generator and the head's initialisation and dropout from a
-  forked, fixed-seed RNG, so the run's weights and RNG streams come out as they went in.
+- finetune: a copy of the backbone and a fresh ClassificationHead trained `steps` AdamW
+  steps on shuffled train batches of the run's global batch size (data.batch_size on every
+  device), then read on the dev rows. The copy is thrown away; the shuffling comes from a
+  private generator and the head's initialisation and dropout from a forked, fixed-seed RNG,
+  so the run's weights and RNG streams come out as they went in.
 
 The rows are read by the data pipeline's own reader (`data.corpus.build_sources` with the entry's
 files as a classify run's train and validation files: every format, column and blank-row rule
@@ -20,7 +21,6 @@ Shape legend: B batch, T length, C model width, N rows, K classes.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import re
@@ -96,6 +96,7 @@ def build(entry: EvalConfig, cfg: RunConfig) -> ClassifyProbe:
             label_names=[str(n) for n in names],
             max_length=data.max_length,
             batch_size=data.batch_size,
+            ranks=cfg.trainer.devices * cfg.trainer.num_nodes if isinstance(cfg.trainer.devices, int) else None,
             eval_batch_size=data.eval_batch_size or data.batch_size,
         )
 
@@ -173,11 +174,13 @@ class ClassifyProbe:
         max_length: int,
         batch_size: int,
         eval_batch_size: int,
+        ranks: int | None = 1,
     ):
         self.entry = entry
         self.train, self.dev = train, dev
         self.label_names = label_names
         self.max_length, self.batch_size, self.eval_batch_size = max_length, batch_size, eval_batch_size
+        self.ranks = ranks  # the run's processes (None: devices "auto", known once they run)
         self._encoded: tuple | None = None  # (tokenizer, length, train examples, dev examples)
 
     @property
@@ -186,7 +189,12 @@ class ClassifyProbe:
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         train, dev = self._examples(target)
-        pooling = self.entry.pooling or DEFAULT_POOLING[target.arch]
+        # A frozen probe reads the mean of the tokens (SentEval's and sentence-transformers' choice):
+        # an MLM encoder's first token is not trained to summarise the row, and on the embedded
+        # docstring task its first-token probe fell from 0.53 (random weights) to 0.28 after
+        # tiny-mlm's 300 steps. Fine-tuning trains its pooled token, as finetune does.
+        default = "mean" if self.entry.mode == "linear" else DEFAULT_POOLING[target.arch]
+        pooling = self.entry.pooling or default
         model = target.model
         was_training = model.training
         # Lightning runs validation hooks under inference_mode, whose tensors autograd refuses:
@@ -226,10 +234,16 @@ class ClassifyProbe:
     def _finetune(self, target: EvalTarget, train: list[dict], dev: list[dict], pooling: str) -> torch.Tensor:
         device = target.device
         collate = ClassifyCollator(special=target.special)
-        batch_size = min(self.batch_size, len(train))
+        # The run's global batch, not data.batch_size (per device): a probe trained on the
+        # per-device batch gave a 2-device run other numbers than one device with the same
+        # global batch (tests/test_eval_distributed.py).
+        ranks = self.ranks
+        if ranks is None:
+            ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        batch_size = min(self.batch_size * ranks, len(train))
         shuffle = torch.Generator().manual_seed(PROBE_SEED)  # never the global RNG
         with private_rng(device, PROBE_SEED), torch.enable_grad():
-            backbone = copy.deepcopy(target.model.transformer).float().requires_grad_(True)
+            backbone = trainable_copy(target.model.transformer, device)
             if backbone.config.arch == "encoder_decoder":
                 backbone.decoder = None  # only the encoder is read, as finetune reads it
             head = ClassificationHead(
@@ -271,6 +285,32 @@ class ClassifyProbe:
 
 
 # ----------------------------------------------------------------------------- pieces
+
+
+def trainable_copy(source: Transformer, device: torch.device) -> Transformer:
+    """A float32 copy of `source` with its own parameters, built fresh from its config and
+    filled from its tensors, not `copy.deepcopy`: under FSDP2 the blocks are FSDP modules, which
+    refuse deepcopy (and a copy would carry their hooks, whose backward reduce-scatters gradients
+    across ranks). Inside `gathered_parameters` their parameters are whole tensors, which is what
+    is copied here; one process and DDP take the same path."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.random.fork_rng(devices=[]):  # the default init's draws, undone: the head draws as before
+        backbone = Transformer(source.config)
+    tensors = dict(itertools.chain(source.named_parameters(), source.named_buffers()))
+    own = dict(itertools.chain(backbone.named_parameters(), backbone.named_buffers()))
+    if own.keys() != tensors.keys():
+        raise RuntimeError(
+            f"the probe's copy of the backbone differs from it: {sorted(own.keys() ^ tensors.keys())[:3]}"
+        )
+    with torch.no_grad():
+        for name, value in own.items():
+            if isinstance(tensors[name], DTensor):
+                raise RuntimeError(
+                    f"{name} is a shard: the finetune probe reads gathered weights (gathered_parameters)"
+                )
+            value.copy_(tensors[name])
+    return backbone.to(device).requires_grad_(True)
 
 
 def hidden_states(transformer: Transformer, batch: dict[str, torch.Tensor], bidirectional: bool) -> torch.Tensor:

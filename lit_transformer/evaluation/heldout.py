@@ -106,6 +106,11 @@ class Heldout:
             if entry.files:  # named by the entry's key, before the pipeline names data.train_files
                 resolve_files(entry.files, f"eval.{entry.name}.files", self.cfg.data.format)
             self.data = registry.objective_class(self.cfg.objective.name).data_module(self.cfg, None, None, 0)
+            # Every rank reads the whole set as one process would: left to torch.distributed, each
+            # rank's loader took every other row and max_examples rows of its own (twice the rows
+            # of a one-process run, other numbers). The objective's metrics still sum over the
+            # ranks when they compute: identical sums on every rank leave their ratios unchanged.
+            self.data._rank, self.data._world = 0, 1
             self.data.prepare_data()
             self.data.setup("fit")
         except DataError as error:

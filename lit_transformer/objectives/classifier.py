@@ -213,14 +213,7 @@ class SequenceClassifier(ObjectiveBase):
         token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, N); for regression the predictions (B,)."""
-        if self.model_config.arch == "encoder_decoder":
-            hidden = self.backbone.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
-        elif self.bidirectional_decoder:  # every position sees the whole row
-            B, T = input_ids.shape
-            everything = torch.full((B,), T, dtype=torch.long, device=input_ids.device)  # (B,)
-            hidden = self.backbone(input_ids, attention_mask, token_type_ids=token_type_ids, prefix_lengths=everything)
-        else:
-            hidden = self.backbone(input_ids, attention_mask, token_type_ids=token_type_ids)  # (B, T, C)
+        hidden = backbone_hidden(self.backbone, input_ids, attention_mask, token_type_ids, self.bidirectional_decoder)
         out = self.head(hidden, attention_mask)  # (B, N)
         return out.squeeze(-1) if self.problem == "regression" else out
 
@@ -275,3 +268,21 @@ class SequenceClassifier(ObjectiveBase):
         if cfg.arch == "encoder_decoder":  # only the encoder runs
             return cfg.replace(arch="encoder", n_decoder_layers=None)
         return cfg
+
+
+def backbone_hidden(
+    backbone: Transformer,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    bidirectional_decoder: bool,
+) -> torch.Tensor:
+    """(B, T, C): what a classification head reads: an encoder-decoder's encoder output, a
+    decoder's hidden states (every row fully visible when it reads bidirectionally), an encoder's."""
+    if backbone.config.arch == "encoder_decoder":
+        return backbone.encode(input_ids, attention_mask, token_type_ids=token_type_ids)
+    if backbone.config.arch == "decoder" and bidirectional_decoder:  # every position sees the whole row
+        B, T = input_ids.shape
+        everything = torch.full((B,), T, dtype=torch.long, device=input_ids.device)  # (B,) prefix >= T
+        return backbone(input_ids, attention_mask, token_type_ids=token_type_ids, prefix_lengths=everything)
+    return backbone(input_ids, attention_mask, token_type_ids=token_type_ids)
