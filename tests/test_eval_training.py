@@ -32,7 +32,8 @@ def unilm_run(tmp_path: Path, name: str, with_eval: bool) -> Path:
     recipe = tmp_path / f"{name}.yaml"
     recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n" + (SUITE if with_eval else ""))
     run_dir = tmp_path / name
-    cfg = load_recipe(recipe, [*SMALL, "tokenizer.vocab_size=400", "trainer.keep_checkpoints=2", f"run.dir={run_dir}"])
+    small = [a for a in SMALL if a != "eval=[]"] if with_eval else SMALL  # SMALL turns the recipes' own off
+    cfg = load_recipe(recipe, [*small, "tokenizer.vocab_size=400", "trainer.keep_checkpoints=2", f"run.dir={run_dir}"])
     train(cfg, progress_bar=False)
     return run_dir
 
@@ -59,8 +60,8 @@ def test_evaluations_are_logged_at_each_validation_and_saved_at_the_end(runs):
     _, evaluated = runs
     rows = read_metrics(evaluated)
     steps = {name: sorted(int(r["step"]) for r in rows if f"eval/{name}/seconds" in r) for name in EVAL_NAMES}
-    # SMALL validates at steps 5 and 10; `names` runs every 10 steps only
-    assert steps == {"text": [5, 10], "docstrings": [5, 10], "next_line": [5, 10], "names": [10]}
+    # the initial weights (step 0), then SMALL's validations at steps 5 and 10; `names` every 10 steps only
+    assert steps == {"text": [0, 5, 10], "docstrings": [0, 5, 10], "next_line": [0, 5, 10], "names": [0, 10]}
     final = json.loads((evaluated / "metrics.json").read_text())
     for key in ("eval/text/clm/loss", "eval/docstrings/accuracy", "eval/next_line/acc", "eval/names/acc_norm"):
         assert key in final, sorted(final)
@@ -86,3 +87,21 @@ def test_all_checkpoints_write_the_curve(runs, tmp_path):
     # the checkpoint of the last step holds the final weights: the in-training number
     final = json.loads((evaluated / "metrics.json").read_text())
     assert out["checkpoints"][-1]["eval/next_line/acc"] == pytest.approx(final["eval/next_line/acc"])
+
+
+def test_an_exported_transformers_directory_is_evaluated_as_its_run(tmp_path):
+    """A decoder's choice numbers on the exported transformers directory (no run config: the
+    architecture's objective and the tokenizer.json beside it) equal the run's own."""
+    from lit_transformer.commands.inference import export
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("eval:\n  - {name: next_line, kind: choice, embedded: next_line, max_examples: 12}\n")
+    recipe = tmp_path / "clm.yaml"
+    recipe.write_text(f"extends: {RECIPES / 'tiny-clm.yaml'}\n")
+    run_dir = tmp_path / "clm"
+    train(load_recipe(recipe, [*SMALL, "tokenizer.vocab_size=400", f"run.dir={run_dir}"]), progress_bar=False)
+    exported = export(str(run_dir), str(tmp_path / "hf"))
+    ours, theirs = evaluate_suite(str(run_dir), suite=str(suite)), evaluate_suite(str(exported), suite=str(suite))
+    assert ours["eval/next_line/examples"] == 12
+    for key in ("eval/next_line/acc", "eval/next_line/acc_norm"):
+        assert theirs[key] == pytest.approx(ours[key]), key

@@ -1,5 +1,5 @@
-"""The recipe's `eval` section during training: every named evaluation at each validation that
-is due (`every_n_steps`) and once more on the final weights, logged as `eval/<name>/<metric>`
+"""The recipe's `eval` section during training: every named evaluation on the initial weights,
+at each validation that is due (`every_n_steps`) and once more on the final weights, logged as `eval/<name>/<metric>`
 to every logger (W&B, CSV) and returned for metrics.json.
 
 Under DDP and FSDP every rank runs every evaluation on the same data, inside
@@ -53,6 +53,12 @@ class NamedEvaluations(Callback):
         self.special = special
         self.done_at: dict[str, int] = {}  # entry name -> the step it last ran at
         self.latest: dict[str, float] = {}  # every metric's newest value
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """At step 0 of a new run (not a resumed one): the initial weights' numbers, the baseline
+        that shows what pretraining bought (a probe on random features is well above chance)."""
+        if trainer.global_step == 0:
+            self._run(trainer, pl_module, final=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":

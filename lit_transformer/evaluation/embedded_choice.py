@@ -91,9 +91,14 @@ def next_line() -> tuple[dict, ...]:
             continue
         indent = right[: len(right) - len(right.lstrip())]
         own = {line.strip() for line in f}  # a line of the same function could also be right
+        # distractors of about the right line's length: a model that scores by length alone (random
+        # weights sum about log V per token) then sits near chance instead of above it
+        size = len(right.strip())
+        alike = [line for line in pool if abs(len(line) - size) <= max(4, size // 4) and line not in own]
+        candidates = alike if len(alike) >= 2 * CHOICES else pool
         wrong = []
         while len(wrong) < CHOICES - 1:
-            other = rng.choice(pool)
+            other = rng.choice(candidates)
             if other not in own and indent + other not in wrong:
                 wrong.append(indent + other)  # the right line's indentation: content decides, not layout
         row = _place(rng, right, wrong, len(rows) % CHOICES)
