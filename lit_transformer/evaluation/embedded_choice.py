@@ -4,8 +4,9 @@ Python standard library that every install carries, so the tiny recipes evaluate
 - docstring_function: which of four function names goes with a docstring's summary line. From
   the validation split of the embedded seq2seq task (data.stdlib.seq2seq_examples), which no
   training run of the tiny recipes reads. The context is the summary as a comment above `def `.
-- next_line: which of four lines continues a function. From the embedded corpus's validation
-  files (data.stdlib.corpus_split), which the pretraining recipes hold out.
+- next_line: which of four lines continues a function: the real line or one of three orders of
+  its own words. From the embedded corpus's validation files (data.stdlib.corpus_split), which
+  the pretraining recipes hold out.
 
 Both are deterministic (a seeded random.Random over sorted inputs; the right answer's position
 cycles through the four slots, so a model that prefers one slot scores chance) and rows are
@@ -17,13 +18,15 @@ from __future__ import annotations
 import ast
 import functools
 import random
+import re
 
 from lit_transformer.data import stdlib
 
 CHOICES = 4
 MAX_ROWS = 200  # enough for a 7-point-wide 95% interval around chance, small enough to score in seconds
 PER_FILE = 40  # next_line: functions per file at most, so that no one file makes the set
-MAX_LINE_CHARS = 100  # next_line: longer lines would give themselves away by length
+MAX_LINE_CHARS = 100  # next_line: lines this long at most, so that rows score in milliseconds
+CUTS = 3  # next_line: rows from one function at most
 SEED = 0
 
 
@@ -72,36 +75,52 @@ def _functions(source: str) -> list[list[str]]:
     return out
 
 
+WORD = re.compile(r"\w+")  # names, keywords and numbers
+
+
+def scrambled(line: str, rng: random.Random, count: int) -> list[str]:
+    """`count` distinct versions of `line` with its words (WORD) in another order and every
+    other character in place: the same tokens in another order, mostly not Python. [] when the
+    line has fewer than 3 distinct words (2 have one other order)."""
+    spans = [m.span() for m in WORD.finditer(line)]
+    words = [line[a:b] for a, b in spans]
+    if len(set(words)) < 3:
+        return []
+    out: list[str] = []
+    for _ in range(50):
+        order = rng.sample(words, len(words))
+        text, end = [], 0
+        for (a, b), word in zip(spans, order):
+            text += [line[end:a], word]
+            end = b
+        candidate = "".join(text) + line[end:]
+        if candidate != line and candidate not in out:
+            out.append(candidate)
+        if len(out) == count:
+            return out
+    return []
+
+
 @functools.lru_cache(maxsize=1)
 def next_line() -> tuple[dict, ...]:
+    """Minimal pairs, as BLiMP tests grammar: the line that continues a function against three
+    orders of its own words. Same characters and about the same tokens: a model that scores
+    by length alone (random weights sum about log V per token) sits at chance, and one that
+    has learnt Python's syntax and the function's names picks the real line."""
     rng = random.Random(SEED)
     functions: list[list[str]] = []
     for _, path in stdlib.corpus_split("validation"):
         found = [f for f in _functions(path.read_text("utf-8", "replace")) if len(f) >= 4]
         functions.extend(found[:PER_FILE])
-    # every line of every function, stripped: the pool distractors come from
-    pool = sorted({line.strip() for f in functions for line in f if len(line.strip()) <= MAX_LINE_CHARS})
     rows: list[dict] = []
     for f in functions:
-        if len(rows) == MAX_ROWS:
-            break
-        cut = rng.randint(2, min(6, len(f) - 1))  # the def line and at least one more as context
-        right = f[cut]
-        if len(right.strip()) > MAX_LINE_CHARS:
-            continue
-        indent = right[: len(right) - len(right.lstrip())]
-        own = {line.strip() for line in f}  # a line of the same function could also be right
-        # distractors of about the right line's length: a model that scores by length alone (random
-        # weights sum about log V per token) then sits near chance instead of above it
-        size = len(right.strip())
-        alike = [line for line in pool if abs(len(line) - size) <= max(4, size // 4) and line not in own]
-        candidates = alike if len(alike) >= 2 * CHOICES else pool
-        wrong = []
-        while len(wrong) < CHOICES - 1:
-            other = rng.choice(candidates)
-            if other not in own and indent + other not in wrong:
-                wrong.append(indent + other)  # the right line's indentation: content decides, not layout
-        row = _place(rng, right, wrong, len(rows) % CHOICES)
-        # the newline ending the context moves onto each choice (choice.split_whitespace)
-        rows.append({"context": "\n".join(f[:cut]) + "\n", **row})
+        # up to CUTS places in each function, after the def line and at least one more as context
+        for cut in sorted(rng.sample(range(2, len(f)), min(CUTS, len(f) - 2))):
+            right = f[cut]
+            wrong = scrambled(right, rng, CHOICES - 1) if len(right.strip()) <= MAX_LINE_CHARS else []
+            if not wrong or len(rows) == MAX_ROWS:
+                continue
+            row = _place(rng, right, wrong, len(rows) % CHOICES)
+            # the newline ending the context moves onto each choice (choice.split_whitespace)
+            rows.append({"context": "\n".join(f[:cut]) + "\n", **row})
     return tuple(rows)
