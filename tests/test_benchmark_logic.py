@@ -80,6 +80,18 @@ def test_the_precision_follows_the_machine(monkeypatch, flags, device, precision
     assert common.choose_precision(device, "bf16-true") == ("bf16-true", "bf16-true: given by --precision")
 
 
+def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN off AVX512-BF16: bf16 is then emulated, whatever the
+    CPU's flags say (how an AVX2-only machine is simulated on a newer one)."""
+    import lit_transformer.recipe.load as load
+
+    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx512_bf16", "avx2"})
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not load.cpu_has_bf16_matmul() and common.choose_precision("cpu", None)[0] == "32-true"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert load.cpu_has_bf16_matmul()
+
+
 def test_quick_on_a_cpu_without_bf16_probes_a_small_float32_product(monkeypatch):
     """The matmul peak is measured in the dtype the steps' products run in, at a size that
     takes seconds in --quick (the AVX2-only CPU spent minutes on an emulated 4096^3 bf16 product)."""

@@ -1,12 +1,14 @@
 """The `choice` evaluation kind (evaluation/choice.py): log-likelihoods equal a direct forward of
-the model (decoder, prefix-LM decoder, encoder-decoder, truncated contexts), a model trained on
-the right answers scores far above chance where random weights do not, the embedded sets, and
-the one-line errors for an encoder and for bad rows. The harness's side is test_eval_harness.py."""
+the model (decoder, prefix-LM decoder, encoder-decoder, truncated contexts, a mode token first), a
+model trained on the right answers scores far above chance where random weights do not, the
+embedded sets, and the one-line errors for an encoder, an unknown mode token and bad rows. The
+harness's side is test_eval_harness.py."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -42,6 +44,15 @@ def tokenizer():
     return train_tokenizer(texts, TokenizerConfig(kind="bpe", vocab_size=400, num_sentinels=0))
 
 
+@pytest.fixture(scope="module")
+def mode_tokenizer():
+    """The fixture's texts, with a UL2 mode token among the special tokens (as a mixture's run has it)."""
+    texts = SENTENCES * 20 + [p.read_text("utf-8", "replace") for _, p in stdlib.corpus_split("train")[:3]]
+    return train_tokenizer(
+        texts, TokenizerConfig(kind="bpe", vocab_size=400, num_sentinels=0, extra_special_tokens=["[S2S]"])
+    )
+
+
 def target_for(model, tokenizer, **kwargs) -> EvalTarget:
     special = SpecialTokens.from_tokenizer(tokenizer)
     return EvalTarget(model=model, tokenizer=tokenizer, special=special, cfg=RunConfig(), **kwargs)
@@ -51,11 +62,13 @@ def model_for(tokenizer, arch="decoder", seed=0, **overrides):
     return seeded_model(tiny_config(arch, vocab_size=tokenizer.get_vocab_size(), **overrides), seed=seed)
 
 
-def direct_decoder(target: EvalTarget, context: str, continuation: str, prefix: bool = False):
-    """The continuation's log-probability from one unpadded full forward, no batching."""
+def direct_decoder(target: EvalTarget, context: str, continuation: str, prefix: bool = False, mode=None):
+    """The continuation's log-probability from one unpadded full forward, no batching; with a
+    mode token, the input starts with it (before the separator) whatever the truncation cuts."""
     ctx, cont = encode_pair(target.tokenizer, context, continuation)
     L = target.model.config.max_seq_len
-    whole = ([target.special.separator_id] + ctx + cont)[-(L + 1) :]
+    lead = [mode] if mode is not None else []
+    whole = lead + ([target.special.separator_id] + ctx + cont)[-(L + 1 - len(lead)) :]
     ids = torch.tensor([whole[:-1]])
     kwargs = {"prefix_lengths": torch.tensor([len(whole) - len(cont)])} if prefix else {}
     with torch.no_grad():
@@ -108,6 +121,61 @@ def test_encoder_decoder_loglikelihoods_equal_a_direct_forward(tokenizer):
         logp = torch.log_softmax(logits, -1)
         assert score == pytest.approx(sum(logp[t, c].item() for t, c in enumerate(cont)), abs=1e-4)
         assert greedy == bool((logp.argmax(-1) == torch.tensor(cont)).all())
+
+
+@pytest.mark.parametrize("prefix_lm", [False, True])
+def test_decoder_mode_token_leads_every_input(mode_tokenizer, prefix_lm):
+    """The mode token first, before the separator, inside the prefix, and kept when the context
+    is cut (REQUESTS[4] is longer than the 16-token context)."""
+    model = model_for(mode_tokenizer, max_seq_len=16)
+    target = target_for(model, mode_tokenizer, prefix_lm=prefix_lm)
+    mode = mode_tokenizer.token_to_id("[S2S]")
+    got = loglikelihoods(target, REQUESTS, batch_size=2, mode_token_id=mode)
+    plain = loglikelihoods(target, REQUESTS, batch_size=2)
+    for request, (score, greedy), (without, _) in zip(REQUESTS, got, plain):
+        want, want_greedy = direct_decoder(target, *request, prefix=prefix_lm, mode=mode)
+        assert score == pytest.approx(want, abs=1e-4), request
+        assert greedy == want_greedy
+        assert abs(score - without) > 1e-5  # the token is read
+    ctx, cont = encode_pair(mode_tokenizer, *REQUESTS[4])
+    assert 2 + len(ctx) + len(cont) > 17  # mode, separator and the text overflow the window: it was cut
+
+
+def test_encoder_decoder_mode_token_leads_the_source(mode_tokenizer):
+    model = model_for(mode_tokenizer, "encoder_decoder", max_seq_len=16)
+    target = target_for(model, mode_tokenizer)
+    special, mode = target.special, mode_tokenizer.token_to_id("[S2S]")
+    got = loglikelihoods(target, REQUESTS, batch_size=4, mode_token_id=mode)
+    for (context, continuation), (score, _) in zip(REQUESTS, got):
+        src, cont = encode_pair(mode_tokenizer, context, continuation, causal=False)
+        src = [mode] + (src + [special.eos_id])[-15:]  # first, whatever the encoder's cut keeps
+        cont = cont[-16:]
+        dec = [special.decoder_start_id] + cont[:-1]
+        with torch.no_grad():
+            logits = model(torch.tensor([src]), decoder_input_ids=torch.tensor([dec]))[0]  # (T, V)
+        logp = torch.log_softmax(logits, -1)
+        assert score == pytest.approx(sum(logp[t, c].item() for t, c in enumerate(cont)), abs=1e-4)
+
+
+def test_choice_entry_reads_its_mode_token_and_refuses_an_unknown_one(mode_tokenizer, monkeypatch):
+    rows = [ChoiceRow("the fox ", ("apples", "pebbles"), 0)]
+    target = target_for(model_for(mode_tokenizer), mode_tokenizer)
+    seen = []
+
+    def fake(target, requests, *, batch_size, mode_token_id=None):
+        seen.append(mode_token_id)
+        return [(-1.0, True), (-2.0, False)]
+
+    monkeypatch.setattr(choice, "loglikelihoods", fake)
+    ChoiceEval(EvalConfig(name="q", kind="choice", files=["x"], mode_token="[S2S]"), rows)(target)
+    ChoiceEval(EvalConfig(name="q", kind="choice", files=["x"]), rows)(target)
+    assert seen == [mode_tokenizer.token_to_id("[S2S]"), None]
+    # an added token the tokenizer lacks, and plain text
+    for token in ("[NLU]", "the"):
+        evaluation = ChoiceEval(EvalConfig(name="q", kind="choice", files=["x"], mode_token=token), rows)
+        with pytest.raises(RunError) as e:
+            evaluation(target)
+        assert str(e.value) == f"eval.q.mode_token={token}: not a special token of the run's tokenizer"
 
 
 def test_an_encoder_is_refused_in_one_line(tokenizer, tmp_path):
@@ -168,9 +236,9 @@ def test_acc_norm_divides_by_the_choice_length(tokenizer, monkeypatch):
     row = [ChoiceRow("c", ("abc", "é"), 0)]
     evaluation = ChoiceEval(EvalConfig(name="q", kind="choice", files=["x"]), row)
     target = target_for(model_for(tokenizer), tokenizer)
-    monkeypatch.setattr(choice, "loglikelihoods", lambda target, requests, batch_size: [(-6.0, False), (-4.0, True)])
+    monkeypatch.setattr(choice, "loglikelihoods", lambda target, requests, **_: [(-6.0, False), (-4.0, True)])
     assert evaluation(target) == {"acc": 0.0, "acc_norm": 1.0, "acc_bytes": 1.0, "examples": 1.0}
-    monkeypatch.setattr(choice, "loglikelihoods", lambda target, requests, batch_size: [(-6.0, False), (-3.0, True)])
+    monkeypatch.setattr(choice, "loglikelihoods", lambda target, requests, **_: [(-6.0, False), (-3.0, True)])
     assert evaluation(target) == {"acc": 0.0, "acc_norm": 1.0, "acc_bytes": 0.0, "examples": 1.0}
 
 
@@ -236,6 +304,11 @@ def test_embedded_next_line_continues_the_validation_files():
         if line.strip()
     )
     for row in evaluation.rows:
-        assert row.context + row.choices[row.label] in text
+        # the def line, then (after an elision) the lines right before the answer
+        *_, last = row.context.rstrip("\n").split("\n")
+        assert last + "\n" + row.choices[row.label] in text
         assert len(set(row.choices)) == 4 and row.context.lstrip().startswith(("def ", "async def "))
+        # the wrong choices hold the right line's words in other orders
+        words = sorted(re.findall(r"\w+", row.choices[row.label]))
+        assert all(sorted(re.findall(r"\w+", c)) == words for c in row.choices)
     assert [r.label for r in evaluation.rows[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.tokenizer import SpecialTokens
+from lit_transformer.errors import RunError
 from lit_transformer.evaluation import classify
 from lit_transformer.evaluation.base import EvalTarget
 from lit_transformer.recipe.evaluation import EvalConfig
@@ -141,6 +142,48 @@ def test_probe_runs_under_inference_mode(task, tokenizer):
     t = target(tokenizer)
     with torch.inference_mode():
         assert probe(t) == probe(t)
+
+
+@pytest.fixture(scope="module")
+def mode_tokenizer(tokenizer):
+    """The word-level tokenizer with UL2's [NLU] added as a special token, as a mixture's run has it."""
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens(["[NLU]"])
+    return tok
+
+
+def test_mode_token_leads_every_row(task, mode_tokenizer):
+    """With mode_token each row is [NLU] then the row as without it: features differ, and equal a
+    direct forward of the row with the token first (a bidirectional decoder: inside its prefix)."""
+    mode = mode_tokenizer.token_to_id("[NLU]")
+    t = target(mode_tokenizer, "decoder", bidirectional=True)
+    with_mode = classify.build(entry(task, mode_token="[NLU]", max_examples=8), CFG)
+    plain = classify.build(entry(task, max_examples=8), CFG)
+    _, dev = with_mode._examples(t)
+    _, dev_plain = plain._examples(t)
+    assert [ex["ids"] for ex in dev] == [[mode] + ex["ids"] for ex in dev_plain]
+    assert [ex["type_ids"] for ex in dev] == [[0] + ex["type_ids"] for ex in dev_plain]
+    features = classify.features(t, t.model.transformer, dev, "mean", batch_size=3)  # (N, C), rows padded
+    for row, ex in zip(features, dev):
+        ids = torch.tensor([ex["ids"]])  # (1, T)
+        with torch.no_grad():
+            hidden = t.model.transformer(ids, prefix_lengths=torch.tensor([ids.shape[1]]))  # (1, T, C)
+        assert torch.allclose(row, hidden[0].mean(0).double(), atol=1e-5)
+    without = classify.features(t, t.model.transformer, dev_plain, "mean", batch_size=3)
+    assert (features - without).abs().max() > 1e-3
+    assert with_mode(t)["examples"] == 8.0  # the whole probe runs with it
+
+
+def test_mode_token_fits_the_model_and_must_be_special(task, tokenizer, mode_tokenizer):
+    short = seeded_model(tiny_config("encoder_decoder", vocab_size=mode_tokenizer.get_vocab_size(), max_seq_len=4))
+    t = dataclasses.replace(target(mode_tokenizer), model=short)
+    train, dev = classify.build(entry(task, mode_token="[NLU]"), CFG)._examples(t)
+    mode = mode_tokenizer.token_to_id("[NLU]")
+    assert all(len(ex["ids"]) == 4 and ex["ids"][0] == mode for ex in train + dev)  # cut after the token
+    probe = classify.build(entry(task, mode_token="[NLU]"), CFG)
+    with pytest.raises(RunError) as e:
+        probe(target(tokenizer))
+    assert str(e.value) == "eval.probe.mode_token=[NLU]: not a special token of the run's tokenizer"
 
 
 def test_max_examples_caps_train_and_dev(task):

@@ -45,6 +45,25 @@ def test_a_key_of_another_kind_is_refused(tmp_path):
     )
 
 
+def test_heldout_reads_no_mode_token(tmp_path):
+    """heldout's rows go through the objective's collators, which put each task's token already."""
+    message = error_of(tmp_path, "eval:\n  - {name: held, kind: heldout, files: a.txt, mode_token: '[NLU]'}\n")
+    assert message.endswith(
+        "eval[0] (held): mode_token: a heldout evaluation does not read mode_token "
+        "(it is for classify, choice, translate)"
+    )
+
+
+def test_tiny_ul2_evaluates_with_its_mode_tokens():
+    cfg = load_recipe(RECIPES / "tiny-ul2.yaml")
+    assert [(e.name, e.kind, e.mode_token) for e in cfg.eval] == [
+        ("docstrings", "classify", "[NLU]"),
+        ("names", "choice", "[S2S]"),
+        ("next_line", "choice", "[S2S]"),
+    ]
+    assert {e.mode_token for e in cfg.eval} <= set(cfg.tokenizer.extra_special_tokens)
+
+
 def test_names_are_unique(tmp_path):
     body = "eval:\n  - {name: a, kind: heldout, files: x.txt}\n  - {name: a, kind: heldout, embedded: stdlib_text}\n"
     assert "eval[1] (a): the name 'a' is also eval[0]'s" in error_of(tmp_path, body)
@@ -82,7 +101,9 @@ def test_saved_config_keeps_the_section(tmp_path):
     assert cfg.eval[2].target_files == ["a.de"] and cfg.eval[2].num_beams == 4
     save_config(cfg, tmp_path / "config.yaml")
     assert load_recipe(tmp_path / "config.yaml").eval == cfg.eval
-    assert load_recipe(RECIPES / "tiny-clm.yaml").eval == []
+    # the tiny recipes evaluate out of the box (base/tiny-eval.yaml), without mode tokens
+    tiny = load_recipe(RECIPES / "tiny-clm.yaml").eval
+    assert [(e.name, e.mode_token) for e in tiny] == [("docstrings", None), ("names", None), ("next_line", None)]
 
 
 def test_a_suite_file_is_an_eval_list_or_a_bare_list(tmp_path):

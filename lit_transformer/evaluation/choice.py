@@ -15,7 +15,10 @@ together and splits at the context's token count, an encoder-decoder encodes the
 we add to the harness's pairs is what our models read in training: a decoder's text follows the
 separator it was packed after (the harness's prefix token for an empty context), an encoder's
 source ends in eos. Contexts that do not fit the model keep their last tokens (the harness's left
-truncation).
+truncation). With a mode token (a UL2 mixture's [NLU], [NLG], [S2S]: the entry's `mode_token`) the
+input starts with it, where data/prefix.py's TaskCollator put it in training: before a decoder's
+separator (inside a prefix LM's prefix), first in an encoder-decoder's source; left truncation
+keeps it and cuts the context after it.
 
 `loglikelihoods` and `rolling_loglikelihoods` are also the harness adapter's (harness.py), so a
 task run through lm-eval and the same rows run here score alike.
@@ -108,25 +111,52 @@ def _eval_mode(model):
 
 
 def loglikelihoods(
-    target: EvalTarget, requests: Sequence[tuple[str, str]], *, batch_size: int = BATCH_SIZE
+    target: EvalTarget,
+    requests: Sequence[tuple[str, str]],
+    *,
+    batch_size: int = BATCH_SIZE,
+    mode_token_id: int | None = None,
 ) -> list[tuple[float, bool]]:
     """For each (context, continuation): the summed log-probability of the continuation's tokens
     given the context, and whether greedy decoding would have produced exactly those tokens.
-    A decoder with `target.prefix_lm` reads the context as a bidirectional prefix."""
+    A decoder with `target.prefix_lm` reads the context as a bidirectional prefix.
+    mode_token_id: a token put first in every input (module docstring), kept by truncation."""
     _check_scorable(target, "loglikelihood")
     special = target.special
+    mode = [mode_token_id] if mode_token_id is not None else []
     if target.arch == "decoder":
         pairs = []
         for context, continuation in requests:
             ctx, cont = encode_pair(target.tokenizer, context, continuation, causal=True)
-            pairs.append((_lead(target) + ctx, cont))
-        return score_decoder(target, pairs, batch_size=batch_size, prefix_lm=target.prefix_lm)
+            pairs.append((mode + _lead(target) + ctx, cont))
+        return score_decoder(target, pairs, batch_size=batch_size, prefix_lm=target.prefix_lm, keep=len(mode))
     end = special.eos_id if special.eos_id is not None else special.sep_id
     pairs = []
     for context, continuation in requests:
         ctx, cont = encode_pair(target.tokenizer, context, continuation, causal=False)
-        pairs.append((ctx + ([end] if end is not None else []), cont))
-    return score_encoder_decoder(target, pairs, batch_size=batch_size)
+        pairs.append((mode + ctx + ([end] if end is not None else []), cont))
+    return score_encoder_decoder(target, pairs, batch_size=batch_size, keep=len(mode))
+
+
+class ModeToken:
+    """An entry's `mode_token` as an id of the target's tokenizer, resolved at the first call
+    (build() runs before the tokenizer is known) and kept while the tokenizer stays the same."""
+
+    def __init__(self, entry: EvalConfig):
+        self.entry = entry
+        self._resolved: tuple | None = None  # (tokenizer, id)
+
+    def id(self, tokenizer) -> int | None:
+        token = self.entry.mode_token
+        if token is None:
+            return None
+        if self._resolved is None or self._resolved[0] is not tokenizer:
+            # a special token only: a piece of ordinary text would be split, or would be a word
+            special = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+            if token not in special:
+                raise RunError(f"eval.{self.entry.name}.mode_token={token}: not a special token of the run's tokenizer")
+            self._resolved = (tokenizer, special[token])
+        return self._resolved[1]
 
 
 def _lead(target: EvalTarget) -> list[int]:
@@ -138,17 +168,23 @@ def _lead(target: EvalTarget) -> list[int]:
 
 
 def score_decoder(
-    target: EvalTarget, pairs: Sequence[tuple[list[int], list[int]]], *, batch_size: int, prefix_lm: bool = False
+    target: EvalTarget,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    *,
+    batch_size: int,
+    prefix_lm: bool = False,
+    keep: int = 0,
 ) -> list[tuple[float, bool]]:
     """Token-level scores of (context ids, continuation ids) on a decoder. The input is the last
     max_seq_len + 1 tokens of context + continuation without its last token (the harness's left
-    truncation); the continuation's tokens inside that window are scored. With prefix_lm the
-    context's positions attend to each other in both directions (prefix_lengths)."""
+    truncation), except that the context's first `keep` tokens (a mode token) stay in front; the
+    continuation's tokens inside that window are scored. With prefix_lm the context's positions
+    attend to each other in both directions (prefix_lengths)."""
     model, L = target.model, target.model.config.max_seq_len
     pad_id = target.special.pad_id if target.special.pad_id is not None else 0
     windows, scored = [], []
     for ctx, cont in pairs:
-        window = (ctx + cont)[-(L + 1) :]
+        window = ctx[:keep] + (ctx[keep:] + cont)[-(L + 1 - keep) :]
         windows.append(window)
         scored.append(min(len(cont), len(window) - 1))
     out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation: nothing to score
@@ -175,16 +211,17 @@ def score_decoder(
 
 
 def score_encoder_decoder(
-    target: EvalTarget, pairs: Sequence[tuple[list[int], list[int]]], *, batch_size: int
+    target: EvalTarget, pairs: Sequence[tuple[list[int], list[int]]], *, batch_size: int, keep: int = 0
 ) -> list[tuple[float, bool]]:
     """Token-level scores of (source ids, continuation ids) on an encoder-decoder: the source into
-    the encoder (its last max_seq_len tokens), the continuation as the decoder's target after the
-    decoder start token, teacher-forced as the seq2seq collator feeds it in training."""
+    the encoder (its last max_seq_len tokens, after its first `keep`: a mode token stays first),
+    the continuation as the decoder's target after the decoder start token, teacher-forced as the
+    seq2seq collator feeds it in training."""
     model, L = target.model, target.model.config.max_seq_len
     special = target.special
     pad_id = special.pad_id if special.pad_id is not None else 0
     start_id = special.decoder_start_id if special.decoder_start_id is not None else pad_id
-    sources = [src[-L:] for src, _ in pairs]
+    sources = [src[:keep] + src[keep:][-(L - keep) :] for src, _ in pairs]
     conts = [cont[-L:] for _, cont in pairs]
     out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
     order = sorted((i for i in range(len(pairs)) if conts[i]), key=lambda i: -(len(sources[i]) + len(conts[i])))
@@ -272,6 +309,9 @@ class ChoiceEval:
     rows: list[ChoiceRow]
     batch_size: int = BATCH_SIZE
 
+    def __post_init__(self):
+        self.mode_token = ModeToken(self.entry)
+
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         where = f"eval.{self.entry.name}"
         if target.arch == "encoder":
@@ -280,7 +320,8 @@ class ChoiceEval:
                 "(it predicts masked tokens, not the next one): use a classify evaluation"
             )
         requests = [(row.context, choice) for row in self.rows for choice in row.choices]
-        scores = iter(loglikelihoods(target, requests, batch_size=self.batch_size))
+        mode = self.mode_token.id(target.tokenizer)
+        scores = iter(loglikelihoods(target, requests, batch_size=self.batch_size, mode_token_id=mode))
         acc = acc_norm = acc_bytes = 0
         for row in self.rows:
             lls = [next(scores)[0] for _ in row.choices]

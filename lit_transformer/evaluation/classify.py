@@ -15,6 +15,10 @@ files as a classify run's train and validation files: every format, column and b
 of `finetune`), once, in `build`, before training starts; they are tokenised at the first call,
 when the tokenizer is known. Metrics: accuracy, macro_f1, examples (dev rows).
 
+With the entry's `mode_token` every row starts with it, as data/prefix.py's TaskCollator put it
+before a mixture task's inputs: the row's first token (type 0, attention 1, inside a bidirectional
+decoder's prefix, first in an encoder-decoder's encoder), the text truncated one token shorter.
+
 Shape legend: B batch, T length, C model width, N rows, K classes.
 """
 
@@ -37,6 +41,7 @@ from lit_transformer.data.errors import DataError
 from lit_transformer.data.files import ReadStats
 from lit_transformer.data.settings import DataConfig
 from lit_transformer.evaluation.base import EvalTarget
+from lit_transformer.evaluation.choice import ModeToken
 from lit_transformer.model.heads import ClassificationHead, pool
 from lit_transformer.model.init import init_weights
 from lit_transformer.model.transformer import Transformer
@@ -182,6 +187,7 @@ class ClassifyProbe:
         self.max_length, self.batch_size, self.eval_batch_size = max_length, batch_size, eval_batch_size
         self.ranks = ranks  # the run's processes (None: devices "auto", known once they run)
         self._encoded: tuple | None = None  # (tokenizer, length, train examples, dev examples)
+        self.mode_token = ModeToken(entry)
 
     @property
     def num_classes(self) -> int:
@@ -212,12 +218,18 @@ class ClassifyProbe:
 
     def _examples(self, target: EvalTarget) -> tuple[list[dict], list[dict]]:
         """The rows as ClassifyCollator's examples, tokenised once per tokenizer."""
-        length = min(self.max_length, target.model.config.max_seq_len)
+        mode = self.mode_token.id(target.tokenizer)
+        lead = [mode] if mode is not None else []
+        # the row, mode token included, fits the model; the text is cut as data.max_length cuts it
+        length = min(self.max_length, target.model.config.max_seq_len - len(lead))
         if self._encoded is None or self._encoded[0] is not target.tokenizer or self._encoded[1] != length:
 
             def encode(rows: Rows) -> list[dict]:
                 ids, types = pack.segment_ids(target.tokenizer, target.special, rows.texts, rows.pairs, length)
-                return [{"ids": i, "type_ids": t, "label": y} for i, t, y in zip(ids, types, rows.labels.tolist())]
+                return [
+                    {"ids": lead + i, "type_ids": [0] * len(lead) + t, "label": y}
+                    for i, t, y in zip(ids, types, rows.labels.tolist())
+                ]
 
             self._encoded = (target.tokenizer, length, encode(self.train), encode(self.dev))
         return self._encoded[2], self._encoded[3]

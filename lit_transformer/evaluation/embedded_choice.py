@@ -27,6 +27,7 @@ MAX_ROWS = 200  # enough for a 7-point-wide 95% interval around chance, small en
 PER_FILE = 40  # next_line: functions per file at most, so that no one file makes the set
 MAX_LINE_CHARS = 100  # next_line: lines this long at most, so that rows score in milliseconds
 CUTS = 3  # next_line: rows from one function at most
+CONTEXT_LINES = 3  # next_line: lines before the right one in the context, besides the def line
 SEED = 0
 
 
@@ -121,6 +122,9 @@ def next_line() -> tuple[dict, ...]:
             if not wrong or len(rows) == MAX_ROWS:
                 continue
             row = _place(rng, right, wrong, len(rows) % CHOICES)
+            # the def line and the CONTEXT_LINES before the cut: what the choice needs, at a cost
+            # that keeps the set to a second or two a validation for the tiny recipes
+            context = f[:1] + (["    ..."] if cut - CONTEXT_LINES > 1 else []) + f[max(1, cut - CONTEXT_LINES) : cut]
             # the newline ending the context moves onto each choice (choice.split_whitespace)
-            rows.append({"context": "\n".join(f[:cut]) + "\n", **row})
+            rows.append({"context": "\n".join(context) + "\n", **row})
     return tuple(rows)

@@ -7,7 +7,8 @@ Decoding is greedy or beam search (the entry's num_beams, length_penalty, max_ne
 objective.num_beams, objective.length_penalty and data.max_target_length), in the prompt style
 the registry gives the run's objective and architecture. The weights decode in their current
 dtype: `evaluate` casts its own copy, but an evaluation in training must leave the model as it
-found it (bf16 decoding is the run's autocast's business, set by suite.run_suite).
+found it (bf16 decoding is the run's autocast's business, set by suite.run_suite). The entry's
+`mode_token` leads every prompt, as a mixture's TaskCollator led the inputs in training.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from itertools import islice
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.base import EvalTarget
 from lit_transformer.evaluation.batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
+from lit_transformer.evaluation.choice import ModeToken
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.evaluation import EvalConfig
 from lit_transformer.recipe.registry import PromptStyle
@@ -39,6 +41,7 @@ class Translate:
             length_penalty=entry.length_penalty if entry.length_penalty is not None else cfg.objective.length_penalty,
         )
         self.signatures: dict[str, str] = {}  # bleu_signature, chrf_signature of the last call
+        self.mode_token = ModeToken(entry)
         if cfg.model.arch is not None:  # known before training (a fine-tuning recipe's comes with its source)
             self.style(cfg.model.arch)
 
@@ -61,6 +64,7 @@ class Translate:
             style,
             self.decoding,
             notes=ContextNotes(lines=[]),
+            mode_token_id=self.mode_token.id(target.tokenizer),
         )
         scores = translation_scores(generate, iter(self.pairs), progress_bar=False)
         self.signatures = {k: scores[k] for k in ("bleu_signature", "chrf_signature")}

@@ -52,9 +52,10 @@ KIND_KEYS = {
         "steps",
         "lr",
         "pooling",
+        "mode_token",
     ),
-    "choice": ("files",),
-    "translate": ("files", "target_files", "num_beams", "length_penalty", "max_new_tokens"),
+    "choice": ("files", "mode_token"),
+    "translate": ("files", "target_files", "num_beams", "length_penalty", "max_new_tokens", "mode_token"),
 }
 COMMON_KEYS = ("name", "kind", "every_n_steps", "max_examples", "embedded")
 
@@ -86,6 +87,11 @@ class EvalConfig:
     num_beams: int | None = None
     length_penalty: float | None = None
     max_new_tokens: int | None = None
+    # classify, choice, translate: a special token of the run's tokenizer (a UL2 mixture's [NLU],
+    # [NLG], [S2S]) put before every input where the mixture's TaskCollator puts it, so a model that
+    # always read one is evaluated as it trained. heldout reads none: its rows go through the
+    # objective's own collators, which put each task's token already
+    mode_token: str | None = None
 
     def __post_init__(self):
         where = f"eval.{self.name}"
@@ -123,6 +129,8 @@ class EvalConfig:
                 raise RecipeError(f"{where}.{key}={value!r} must be a positive integer")
         if self.lr <= 0:
             raise RecipeError(f"{where}.lr={self.lr!r} must be positive")
+        if self.mode_token is not None and (not isinstance(self.mode_token, str) or not self.mode_token.strip()):
+            raise RecipeError(f"{where}.mode_token={self.mode_token!r} must be a token, e.g. [NLU]")
         if self.pooling is not None and self.pooling not in ("first", "mean", "last"):
             raise RecipeError(f"{where}.pooling={self.pooling!r} is not one of first, mean, last")
 

@@ -128,8 +128,17 @@ def default_precision(objective_default: str, accelerator: str) -> str:
     return objective_default if cpu_has_bf16_matmul() else "32-true"
 
 
+# oneDNN's instruction sets without bf16 dot products: ONEDNN_MAX_CPU_ISA set to one of these
+# keeps oneDNN off AVX512-BF16 and AMX even where the CPU has them (oneDNN's "CPU Dispatcher
+# Control" documentation), so bf16 matrix products are emulated
+_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def cpu_has_bf16_matmul() -> bool:
-    """Whether the CPU has bf16 matrix instructions (AMX, AVX512-BF16); elsewhere bf16 is emulated."""
+    """Whether the CPU has bf16 matrix instructions (AMX, AVX512-BF16) that oneDNN may use;
+    elsewhere bf16 is emulated (several times slower than float32)."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
