@@ -94,6 +94,19 @@ def test_plot_draws_each_runs_logged_values_in_default_panels(two_runs, tmp_path
     assert curves["eval/probe/accuracy"] == {"b": ([4], [0.625])}
 
 
+def test_a_run_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
+    """The second run lacks the first panel's metric: its line must not take the first run's colour."""
+    from matplotlib.figure import Figure
+
+    a = write_run(tmp_path, "a", [[{"step": 1, "eval/x/acc": 0.1, "eval/y/acc": 0.2}]])
+    b = write_run(tmp_path, "b", [[{"step": 1, "eval/y/acc": 0.3}]])
+    drawn = {}
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: drawn.update(figure=self))
+    plot([b, a], tmp_path / "c.png", ["eval/x/acc", "eval/y/acc"])
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in drawn["figure"].axes]
+    assert colours[0] == {"a": colours[1]["a"]} and colours[1]["a"] != colours[1]["b"]
+
+
 def test_metric_patterns_choose_the_panels_in_pattern_order(two_runs):
     curves = plot_data(two_runs, ["val/p*", "eval/*", "train/loss"])
     assert list(curves) == ["val/ppl", "eval/probe/accuracy", "eval/probe/seconds", "train/loss"]

@@ -132,9 +132,12 @@ def plot(runs: Sequence[str | Path], output: str | Path, metrics: Sequence[str] 
     rows = math.ceil(len(curves) / columns)
     figure = Figure(figsize=(5 * columns, 3.5 * rows), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    # one colour per run in every panel, even where a run lacks a panel's metric
+    labels = list(dict.fromkeys(label for series in curves.values() for label in series))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for ax, (metric, series) in zip(axes, curves.items()):
         for label, (xs, ys) in series.items():
-            ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
+            ax.plot(xs, ys, label=label, color=colours[label], marker="." if len(xs) < 30 else None)
         ax.set_title(metric)
         ax.set_xlabel("tokens seen" if x == "tokens" else "step")
         ax.grid(alpha=0.3)
