@@ -88,6 +88,11 @@ class RankedDataModule(L.LightningDataModule):
             return self.trainer.global_rank
         return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
+    def read_whole(self) -> None:
+        """Read every row on every rank, as one process would (evaluations that run the same
+        data on every rank); before setup."""
+        self._rank, self._world = 0, 1
+
     @property
     def world_size(self) -> int:
         if self._world is not None:

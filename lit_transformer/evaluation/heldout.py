@@ -110,7 +110,7 @@ class Heldout:
             # rank's loader took every other row and max_examples rows of its own (twice the rows
             # of a one-process run, other numbers). The objective's metrics still sum over the
             # ranks when they compute: identical sums on every rank leave their ratios unchanged.
-            self.data._rank, self.data._world = 0, 1
+            self.data.read_whole()
             self.data.prepare_data()
             self.data.setup("fit")
         except DataError as error:
