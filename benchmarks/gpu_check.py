@@ -1,0 +1,478 @@
+"""One command that checks every CUDA code path of the project on the GPU at hand, small and in
+minutes, and prints a table: the lent GPU is there for minutes, now and then.
+
+    python benchmarks/gpu_check.py                          # CUDA: every check (a few minutes on one H100)
+    python benchmarks/gpu_check.py --json gpu_check.json    # the rows as JSON too
+    python benchmarks/gpu_check.py --device cpu --quick     # the same checks on CPU, shrunk (the test suite's)
+
+Each check is a function returning one row {check, status: pass|fail|skip, detail, seconds,
+numbers...}; one that raises is a `fail` row with the error's first line and the others still run;
+exit status 1 when any failed. What each check runs and when it passes: benchmarks/README.md,
+"GPU check". On CPU (--device cpu) the sizes are tiny, the GPT-2 checks use 2 layers at T=128,
+flex runs forward only (torch has no flex backward on CPU) and peak_memory is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (also puts the repository on sys.path)
+from gpu_flex import flex_kernel_case, flex_masks, flex_model_case  # noqa: E402
+
+RECIPES = common.REPO / "recipes"
+CHECKS = tuple(
+    "families flex_attention strategies fused_adamw activation_checkpointing mfu kv_decoding peak_memory".split()
+)
+NO_CUDA = "gpu_check: no CUDA device (torch.cuda.is_available() is False); nothing to check"
+FAMILIES = ("tiny-mlm", "tiny-clm", "tiny-span", "tiny-seq2seq", "tiny-classify")
+VOCAB = {"tiny-span": 420}  # span corruption needs room for its sentinels; the others 400
+# What every recipe run here shares: little data, no W&B, no generation, no named evaluations,
+# a high learning rate without warmup so that a few steps move the loss.
+RUN = """tokenizer.max_train_bytes=150000 data.max_train_bytes=150000 data.max_val_bytes=20000
+trainer.limit_val_batches=1 trainer.log_every_n_steps=1 trainer.devices=1 logger.wandb.mode=disabled
+generation.enabled=false eval=[] optim.lr=1e-2 optim.warmup_steps=0""".split()
+# On CPU, tests/helpers.py TINY_RUN's sizes (copied: benchmarks do not import tests); on CUDA the
+# recipes' own model, block and batch sizes.
+CPU_SIZES = """data.block_size=24 data.batch_size=4 data.max_length=24 data.max_target_length=8
+model.max_seq_len=32 trainer.num_threads=1""".split()
+
+
+class CheckFailed(Exception):
+    """A check's own verdict (the numbers are wrong), as opposed to an error while running it."""
+
+
+def need(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+class Context:
+    """What the checks share: the device, the mode, a scratch directory, one GPT-2 step."""
+
+    def __init__(self, device: str, quick: bool, scratch: Path):
+        self.device, self.quick, self.scratch = device, quick, scratch
+        self.cuda = device == "cuda"
+        self._gpt2 = None
+        self._runs = 0
+
+    def run_dir(self, name: str) -> Path:
+        self._runs += 1
+        return self.scratch / f"{self._runs:02d}-{name}"
+
+    def overrides(self, steps: int) -> list[str]:
+        sizes = [] if self.cuda else CPU_SIZES
+        every = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+        every.append(f"trainer.checkpoint_every_n_steps={steps}")
+        return [*RUN, f"trainer.accelerator={'gpu' if self.cuda else 'cpu'}", *sizes, *every]
+
+    def gpt2(self):
+        """(setup, side, batch) of the GPT-2 small step the mfu and peak_memory checks share:
+        12 layers at T=1024 on CUDA (batch 16, 4 with --quick), 2 layers at T=128 on CPU."""
+        if self._gpt2 is None:
+            layers, T, B = (12, 1024, 4 if self.quick else 16) if self.cuda else (2, 128, 2)
+            setup = common.make_setup("gpt2_clm", layers=layers, seq_len=T, batch=B)
+            precision = "bf16-mixed" if self.cuda else common.choose_precision("cpu", None)[0]
+            side = common.build_ours(setup, self.device, precision)
+            self._gpt2 = (setup, side, common.make_batch(setup, self.device), precision)
+        return self._gpt2
+
+
+# ----------------------------------------------------------------------------- recipe runs
+def probe_callback():
+    from lightning.pytorch.callbacks import Callback
+
+    class Probe(Callback):
+        """Where and how the run trained: the weights' device and dtype, the process group."""
+
+        def __init__(self):
+            self.seen: dict = {}
+
+        def on_train_start(self, trainer, module):
+            weight = next(module.parameters())
+            backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+            self.seen = {"device": weight.device.type, "dtype": str(weight.dtype).replace("torch.", "")}
+            self.seen |= {"backend": backend, "world_size": trainer.world_size}
+            self.seen["checkpointed"] = any(type(m).__name__ == "CheckpointedBlock" for m in module.modules())
+
+    return Probe()
+
+
+def recipe_run(ctx: Context, recipe: str, overrides: list[str], steps: int) -> dict:
+    """Train `recipe` for `steps` steps in a fresh run directory; its losses per step (from the
+    run's CSV log), final validation metrics and what the Probe saw."""
+    from lit_transformer.commands.train import train
+    from lit_transformer.recipe.load import load_recipe
+    from lit_transformer.training.rundir import read_metrics
+
+    run_dir = ctx.run_dir(recipe)
+    vocab = f"tokenizer.vocab_size={VOCAB.get(recipe, 400)}"
+    cfg = load_recipe(RECIPES / f"{recipe}.yaml", [*ctx.overrides(steps), vocab, *overrides, f"run.dir={run_dir}"])
+    probe = probe_callback()
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats()
+    metrics = train(cfg, callbacks=[probe], progress_bar=False)
+    by_step = {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+    losses = [by_step[s] for s in sorted(by_step)]
+    need(len(losses) == steps, f"{recipe}: {len(losses)} logged losses for {steps} steps ({run_dir})")
+    need(all(math.isfinite(x) for x in losses), f"{recipe}: non-finite loss in {losses}")
+    peak = torch.cuda.max_memory_allocated() if ctx.cuda else None
+    return {"dir": run_dir, "losses": losses, "metrics": metrics, "seen": probe.seen, "peak_bytes": peak}
+
+
+def keyword_task(folder: Path, rows: int = 240) -> list[str]:
+    """A classification set a dozen steps learn (the classify recipe's own task needs hundreds):
+    filler words around one keyword, which alone decides the label. Returns the data overrides."""
+    import random
+
+    rng = random.Random(0)
+    filler = "the a of to and in is that it for on with as by at from this be or an".split()
+    labels = {"jug": "kitchen", "plug": "socket", "zulu": "language"}
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", rows), ("val", rows // 5)):
+        lines = []
+        for _ in range(n):
+            keyword = rng.choice(sorted(labels))
+            words = rng.choices(filler, k=rng.randint(2, 5))
+            words.insert(rng.randint(0, len(words)), keyword)
+            lines.append(json.dumps({"text": " ".join(words), "label": labels[keyword]}))
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    return [f"data.train_files=[{folder / 'train.jsonl'}]", f"data.val_files=[{folder / 'val.jsonl'}]"]
+
+
+def check_families(ctx: Context) -> dict:
+    steps = 6 if ctx.quick else 8
+    classify = [*keyword_task(ctx.scratch / "keywords"), "optim.lr=3e-3", "model.dropout=0.0", "data.batch_size=32"]
+    results, problems = {}, []
+    for recipe in FAMILIES:
+        for precision in ("bf16-mixed", "bf16-true"):
+            extra = [f"trainer.precision={precision}"] + (classify if recipe == "tiny-classify" else [])
+            n = 12 if recipe == "tiny-classify" else steps
+            run = recipe_run(ctx, recipe, extra, n)
+            losses, seen = run["losses"], run["seen"]
+            name = f"{recipe.removeprefix('tiny-')}/{precision}"
+            # the first loss and the mean of the last two: what "learnt" is judged on below
+            results[name] = [round(losses[0], 4), round(statistics.fmean(losses[-2:]), 4)]
+            dtype = "bfloat16" if precision == "bf16-true" else "float32"
+            if seen.get("device") != ctx.device or seen.get("dtype") != dtype:
+                problems.append(f"{name} trained {seen} (expected {ctx.device}, {dtype} weights)")
+            if not statistics.fmean(losses[-2:]) < losses[0]:
+                problems.append(f"{name} did not learn: losses {[round(x, 3) for x in losses]}")
+            if not all(math.isfinite(v) for v in run["metrics"].values()) or not run["metrics"]:
+                problems.append(f"{name}: final validation {run['metrics']}")
+            if not (run["dir"] / "model.safetensors").is_file():
+                problems.append(f"{name}: no final model.safetensors")
+    need(not problems, "; ".join(problems))
+    return {"detail": f"{len(results)} runs, {steps} steps (classify 12): first and last loss", "losses": results}
+
+
+# ----------------------------------------------------------------------------- flex attention
+def check_flex_attention(ctx: Context) -> dict:
+    from lit_transformer.model.transformer import _has_flex
+
+    if not _has_flex():
+        return {"status": "skip", "detail": f"torch {torch.__version__} has no flex_attention (2.5+)"}
+    B, T = 2, (128 if ctx.quick else 256)
+    cases = flex_masks(B, T, ctx.device)
+    if not ctx.cuda and ctx.quick:
+        cases = cases[:1]  # each case compiles for seconds on CPU
+    numbers, problems = {}, []
+    for name, mask, valid, kv_heads in cases:
+        torch._dynamo.reset()
+        errors = flex_kernel_case(mask, valid, kv_heads, B, T, ctx.device, backward=ctx.cuda)
+        for part, (flex, eager) in errors.items():
+            numbers[f"{name}/{part}"] = [round(flex, 5), round(eager, 5)]
+            # bf16 rounding of the same product in another order: within a few times the eager error
+            if not flex <= max(4 * eager, 2e-2):
+                problems.append(f"{name} {part}: flex error {flex:.3g}, eager bf16 {eager:.3g}")
+    detail = "kernel: [flex, eager bf16] errors vs float32 dense"
+    if ctx.cuda:
+        for name in ("decoder",) if ctx.quick else ("decoder", "encoder"):
+            torch._dynamo.reset()
+            flex, eager, decoy = flex_model_case(name, ctx.device)
+            numbers[f"model-{name}"] = [round(flex, 5), round(eager, 5)]
+            if not flex <= max(4 * eager, 2e-2):
+                problems.append(f"model {name}: compiled error {flex:.3g}, eager bf16 {eager:.3g}")
+            if not decoy > max(0.05, 10 * flex):  # a self-only mask moves the logits ~50% (measured on CPU)
+                problems.append(f"model {name}: compiled blocks ignore the flex block mask (decoy change {decoy:.3g})")
+        detail += "; models with compiled blocks (decoder: window, documents, GQA"
+        detail += ")" if ctx.quick else "; encoder: window, global tokens, padding)"
+    else:
+        detail += "; CPU: forward only (torch has no flex backward on CPU), models build block masks on CUDA only"
+    need(not problems, "; ".join(problems))
+    return {"detail": detail, "errors": numbers}
+
+
+# ----------------------------------------------------------------------------- strategies, optimizer
+def check_strategies(ctx: Context) -> dict:
+    steps = 3 if ctx.quick else 4
+    expected = "nccl" if ctx.cuda else "gloo"
+    precision = "bf16-mixed" if ctx.cuda else common.choose_precision("cpu", None)[0]
+    numbers, problems = {}, []
+    try:
+        for strategy in ("ddp", "fsdp"):
+            run = recipe_run(ctx, "tiny-clm", [f"trainer.strategy={strategy}", f"trainer.precision={precision}"], steps)
+            numbers[strategy] = [round(x, 4) for x in run["losses"]]
+            if run["seen"].get("backend") != expected:
+                problems.append(f"{strategy} ran on backend {run['seen'].get('backend')}, not {expected}")
+            if strategy == "fsdp":
+                shards = run["dir"] / "checkpoints" / "last.ckpt"
+                files = sorted(p.name for p in shards.iterdir()) if shards.is_dir() else []
+                if "meta.pt" not in files or not any(f.endswith(".distcp") for f in files):
+                    problems.append(f"fsdp: {shards} is not a sharded checkpoint (holds {files})")
+                if not (run["dir"] / "model.safetensors").is_file():
+                    problems.append("fsdp: no consolidated model.safetensors")
+    finally:
+        if torch.distributed.is_initialized():  # later checks run on one device without a group
+            torch.distributed.destroy_process_group()
+    need(not problems, "; ".join(problems))
+    return {"detail": f"{precision}, {steps} steps each on {expected}; FSDP2 sharded checkpoint saved", **numbers}
+
+
+def check_fused_adamw(ctx: Context) -> dict:
+    from lit_transformer.objectives.optim import build_optimizer
+    from lit_transformer.recipe.schema import OptimConfig
+
+    shapes = [(257, 129), (129,), (3, 64, 33)]
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g).to(ctx.device) for s in shapes]
+    grads = [[torch.randn(s, generator=g).to(ctx.device) for s in shapes] for _ in range(3)]
+
+    def adamw(dtype: torch.dtype, **kind) -> list[torch.Tensor]:
+        """The weights after 3 AdamW steps in `dtype` (from `start` rounded to bfloat16 for both
+        dtypes, so that the float32 run is the bfloat16 runs' exact-arithmetic reference)."""
+        params = [p.to(torch.bfloat16).to(dtype).requires_grad_() for p in start]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, **kind)
+        for step in grads:
+            for p, grad in zip(params, step):
+                p.grad = grad.to(dtype)
+            optimizer.step()
+        return [p.detach().float() for p in params]
+
+    def distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+    reference = adamw(torch.float32, foreach=True)
+    numbers = {
+        "float32_max_difference": distance(adamw(torch.float32, fused=True), reference),
+        "bfloat16_fused_error": distance(adamw(torch.bfloat16, fused=True), reference),
+        "bfloat16_foreach_error": distance(adamw(torch.bfloat16, foreach=True), reference),
+    }
+    # float32: 1e-5 is 0.1% of one update (lr 1e-2) on weights of order 1
+    need(numbers["float32_max_difference"] <= 1e-5, f"float32 fused and for-each AdamW differ: {numbers}")
+    # bfloat16: fused updates in float32 and rounds once; it must be no less exact than for-each
+    ulp = 2**-7 * max(float(p.abs().max()) for p in start)  # one bfloat16 step at the largest weight
+    fused_error, foreach_error = numbers["bfloat16_fused_error"], numbers["bfloat16_foreach_error"]
+    need(fused_error <= max(foreach_error, ulp), f"bfloat16 fused AdamW less exact than for-each: {numbers}")
+    built = build_optimizer([{"params": [torch.zeros(3, device=ctx.device, requires_grad=True)]}], OptimConfig())
+    need(built.defaults.get("fused") is True, f"build_optimizer did not pick the fused kernel: {built.defaults}")
+    return {"detail": "3 steps, float32 and bfloat16; build_optimizer picks fused", **numbers}
+
+
+def check_activation_checkpointing(ctx: Context) -> dict:
+    steps = 4 if ctx.quick else 6
+    precision = "bf16-mixed" if ctx.cuda else common.choose_precision("cpu", None)[0]
+    runs = {}
+    for on in (False, True):
+        extra = ["model.dropout=0.1", f"trainer.precision={precision}", f"trainer.activation_checkpointing={on}"]
+        runs[on] = recipe_run(ctx, "tiny-clm", extra, steps)
+    wrapped = [runs[on]["seen"].get("checkpointed") for on in (False, True)]
+    need(wrapped == [False, True], f"blocks checkpointed without / with the option: {wrapped}")
+    plain, checkpointed = runs[False]["losses"], runs[True]["losses"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(checkpointed, plain))
+    numbers = {"losses": [round(x, 5) for x in plain], "max_relative_difference": worst}
+    if ctx.cuda:
+        numbers |= {"peak_bytes": runs[False]["peak_bytes"], "peak_bytes_checkpointed": runs[True]["peak_bytes"]}
+    need(worst <= 2e-3, f"losses differ by {worst:.3g} relative: {plain} without, {checkpointed} with")
+    return {"detail": f"tiny-clm, dropout 0.1, {precision}, {steps} steps: the same losses", **numbers}
+
+
+# ----------------------------------------------------------------------------- GPT-2 small
+def check_mfu(ctx: Context) -> dict:
+    from lit_transformer.training.throughput import peak_flops_for
+
+    setup, side, batch, precision = ctx.gpt2()
+    warmup, timed = (1, 2) if ctx.quick else (3, 5)
+    size, inner = (8192, 10) if ctx.cuda else ((512, 1) if ctx.quick else (1024, 2))
+    peak = common.MatmulPeak(ctx.device, size=size, inner=inner, dtype=common.matmul_dtype(precision))
+    times = common.time_alternating({"step": side.step, "peak": peak}, batch, ctx.device, warmup=warmup, rounds=timed)
+    peak_rate = max(peak.rates)
+    del peak  # its three matrices would count in peak_memory's figure
+    loss = float(side.step(batch))
+    need(math.isfinite(loss), f"non-finite loss {loss}")
+    flops = common.spent_flops(setup, batch, head_everywhere=True) / statistics.median(times["step"])
+    sheet = peak_flops_for(torch.cuda.get_device_name(), precision) if ctx.cuda else None
+    numbers = {
+        "config": setup.description,
+        "precision": precision,
+        "tokens_per_s": setup.tokens / statistics.median(times["step"]),
+        "model_flops_per_s": flops,
+        "matmul_peak_flops": peak_rate,
+        "mfu_measured_peak": flops / peak_rate,
+        "datasheet_peak_flops": sheet,
+        "mfu_datasheet": flops / sheet if sheet else None,
+    }
+    need(numbers["mfu_measured_peak"] > 0, "no model FLOPs measured")
+    if ctx.cuda:  # on a shared CPU the matmul probe may be slowed more than the steps
+        need(numbers["mfu_measured_peak"] < 1, f"MFU {numbers['mfu_measured_peak']:.2f} > 1: FLOPs miscounted")
+    mfu = f"{100 * numbers['mfu_measured_peak']:.1f}% of measured peak"
+    if sheet:
+        mfu += f", {100 * numbers['mfu_datasheet']:.1f}% of datasheet"
+    where = "" if ctx.cuda else " (CPU: 2 layers at T=128, not GPT-2 small's 12 at T=1024)"
+    return {"detail": f"{setup.description}, {precision}, median of {timed} steps: MFU {mfu}{where}", **numbers}
+
+
+def check_kv_decoding(ctx: Context) -> dict:
+    from lit_transformer.model import LanguageModel, preset
+    from lit_transformer.model.generate import generate
+
+    layers, new = (12, 32 if ctx.quick else 128) if ctx.cuda else (2, 8 if ctx.quick else 32)
+    cfg = preset("gpt2-small", n_layers=layers, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = LanguageModel.from_config(cfg, device=ctx.device).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, cfg.vocab_size, (2, 16), generator=g).to(ctx.device)
+    cached = generate(model, prompt, max_new_tokens=8, eos_token_id=None)
+    uncached = generate(model, prompt, max_new_tokens=8, eos_token_id=None, use_cache=False)
+    agreement = float((cached == uncached).float().mean())
+    need(agreement == 1.0, f"float32 greedy tokens with and without the KV cache differ ({agreement:.2%} agree)")
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    model = model.to(dtype)
+    numbers = {"layers": layers, "dtype": str(dtype).replace("torch.", ""), "new_tokens": new}
+    for batch in (1, 8):
+        prompt = torch.randint(5, cfg.vocab_size, (batch, 16), generator=g).to(ctx.device)
+        generate(model, prompt, max_new_tokens=4, eos_token_id=None)  # warm-up: kernels, allocator
+        common.sync(ctx.device)
+        start = time.perf_counter()
+        out = generate(model, prompt, max_new_tokens=new, eos_token_id=None)
+        common.sync(ctx.device)
+        need(out.shape == (batch, 16 + new), f"batch {batch}: output {tuple(out.shape)}")
+        numbers[f"tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - start)
+    rates = f"{numbers['tokens_per_s_batch1']:.0f} / {numbers['tokens_per_s_batch8']:.0f} tok/s"
+    detail = f"GPT-2 small shape, {layers} layers, {numbers['dtype']}, greedy, {new} tokens: B=1 / B=8 {rates}"
+    return {"detail": detail, **numbers}
+
+
+def check_peak_memory(ctx: Context) -> dict:
+    if not ctx.cuda:
+        return {"status": "skip", "detail": "CPU: torch.cuda.max_memory_allocated exists on CUDA only"}
+    from lit_transformer.data.settings import DataConfig
+    from lit_transformer.recipe.schema import TrainerConfig
+    from lit_transformer.training.preflight import estimate
+
+    setup, side, batch, precision = ctx.gpt2()
+    side.step(batch)  # AdamW's moments exist from the first step on
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    side.step(batch)
+    torch.cuda.synchronize()
+    # the step's peak above what was there, plus this model's own weights and AdamW moments
+    measured = torch.cuda.max_memory_allocated() - before + side.resident_bytes()
+    trainer = TrainerConfig(precision=precision, accelerator="gpu")
+    predicted = estimate(trainer, DataConfig(batch_size=setup.batch), setup.cfg, setup.seq_len)
+    ratio = measured / predicted.per_rank
+    numbers = {"measured_bytes": measured, "estimate_bytes": predicted.per_rank, "ratio": ratio}
+    numbers |= {"estimate_states": predicted.states, "estimate_activations": predicted.activations}
+    detail = f"{setup.description}: measured {measured / 2**30:.2f} GiB / estimate {predicted.per_rank / 2**30:.2f}"
+    # above 1.1 the start-up check passes runs that do not fit; far below 1 it refuses ones that do
+    need(0.4 <= ratio <= 1.1, f"{detail}: ratio {ratio:.2f} outside [0.4, 1.1]")
+    return {"detail": f"{detail} GiB = {ratio:.2f}", **numbers}
+
+
+# ----------------------------------------------------------------------------- running and reporting
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def run_check(name: str, ctx: Context) -> dict:
+    function = globals()[f"check_{name}"]  # looked up now, so that a test may replace one
+    start = time.perf_counter()
+    try:
+        row = {"status": "pass", **function(ctx)}
+    except Exception as error:  # a failing check is a row; the others still run
+        row = {"status": "fail", "detail": first_line(error)}
+        if not isinstance(error, CheckFailed):
+            traceback.print_exc(file=sys.stderr)
+    return {"check": name, "status": row.pop("status"), "detail": row.pop("detail", ""), **row} | {
+        "seconds": round(time.perf_counter() - start, 2)
+    }
+
+
+def print_table(report: dict, out) -> None:
+    print(f"\ngpu_check on {report['device_name']}, torch {report['torch']}{' (--quick)' * report['quick']}", file=out)
+    print(f"{'check':<25} {'status':<6} {'seconds':>8}  detail", file=out)
+    for row in report["rows"]:
+        print(f"{row['check']:<25} {row['status']:<6} {row['seconds']:>8.1f}  {row['detail']}", file=out)
+    counts = {s: sum(r["status"] == s for r in report["rows"]) for s in ("pass", "fail", "skip")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()), file=out)
+
+
+@contextlib.contextmanager
+def token_cache(folder: Path):
+    """The runs' token cache in the scratch directory, the variable restored afterwards."""
+    saved = os.environ.get("LIT_TRANSFORMER_CACHE")
+    os.environ["LIT_TRANSFORMER_CACHE"] = str(folder)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LIT_TRANSFORMER_CACHE", None)
+        else:
+            os.environ["LIT_TRANSFORMER_CACHE"] = saved
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda (nothing to check without it)")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="every check smaller still (the test suite's CPU run)")
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    args = p.parse_args(argv)
+    args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    for name in args.checks:
+        if name not in CHECKS:
+            p.error(f"--checks: unknown check {name!r}; choose from {', '.join(CHECKS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(NO_CUDA)
+        return 0
+    device = args.device or "cuda"
+    report = {
+        "device": device,
+        "device_name": common.device_name(device),
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch, token_cache(Path(scratch) / "cache"):
+        ctx = Context(device, args.quick, Path(scratch))
+        for name in args.checks:
+            row = run_check(name, ctx)
+            report["rows"].append(row)
+            print(f"gpu_check: {name}: {row['status']} ({row['seconds']:.1f} s) {row['detail']}", file=sys.stderr)
+    print_table(report, sys.stdout)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 1 if any(row["status"] == "fail" for row in report["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
