@@ -5,11 +5,15 @@ tokenizer hash and the preprocessing options; it holds one `<name>.bin` per arra
 `meta.json` (dtype and shape of each array, plus counts). Entries are written into a
 `.tmp-*` directory and renamed into place only when complete, so an interrupted prepare never
 leaves a half entry and concurrent writers (several ranks or nodes) cannot corrupt one: the
-first rename wins and the others discard their copy.
+first rename wins and the others discard their copy. `cache_lock` serialises the processes of
+one node that prepare the same cache root, so that one of them (the first, normally local rank 0)
+tokenizes and the others wait and then open its entries instead of tokenizing the same data again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +31,26 @@ def cache_root(cache_dir: str | None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("LIT_TRANSFORMER_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lit_transformer"
+
+
+@contextlib.contextmanager
+def cache_lock(root: Path):
+    """Hold an exclusive lock on `<root>/.lock` for the duration. The processes of one node that
+    prepare data at once (every process under torchrun or srun: the runner prepares before the
+    Trainer, and so before any process group, exists) then build each entry once. A filesystem
+    without locks (some network mounts) goes unlocked: the atomic rename still keeps entries whole."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX)
+        except OSError:
+            yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
 
 
 def cache_key(*parts) -> str:

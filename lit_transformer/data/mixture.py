@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lit_transformer.data.cache import cache_root
+from lit_transformer.data.cache import cache_lock, cache_root
 from lit_transformer.data.collate import example_generators
 from lit_transformer.data.corpus import build_sources, objective_kind
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.module import EpochLoader, RankedDataModule, TextDataModule
+from lit_transformer.data.module import EpochLoader, RankedDataModule, TextDataModule, agree_on_data
 from lit_transformer.data.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.prepare import Prepared, resolve_tokenizer, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler
@@ -276,7 +276,8 @@ class MixtureDataModule(RankedDataModule):
     # ------------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
-        self._resolve_tokenizer(build=True)
+        with cache_lock(cache_root(self.tokenizer_data.cache_dir)):  # one process of the node trains it
+            self._resolve_tokenizer(build=True)
         self._write_run_files()
         for dm in self._task_modules():
             dm.prepare_data()
@@ -296,6 +297,9 @@ class MixtureDataModule(RankedDataModule):
             mode = self._mode_ids[task.mode_token] if task.mode_token is not None else None
             dm.collator = TaskCollator(base, task=t, objective=task.objective, arch=self.arch, mode_token_id=mode)
         self._rates = mixture_rates(self.train_sizes, **self.rate_options)
+        if self.trainer is not None:  # Lightning's setup hook: every rank compares what it read
+            joined = hashlib.sha256(" ".join(dm.fingerprint() for dm in self._task_modules()).encode()).hexdigest()
+            agree_on_data(joined[:16], self.trainer.node_rank, str(cache_root(self.tokenizer_data.cache_dir)))
 
     def train_dataloader(self) -> DataLoader:
         modules = self._ready()

@@ -1,7 +1,10 @@
 """`TextDataModule`: one LightningDataModule for every objective.
 
 - `prepare_data` (local rank 0): trains or loads the tokenizer and fills the token cache.
-- `setup` (every rank): opens the cache by memory map; tokenizes nothing.
+- `setup` (every rank): opens the cache by memory map; tokenizes nothing. Under a Trainer with
+  several processes the ranks then compare fingerprints of what they read (`agree_on_data`):
+  nodes build their own caches (no shared filesystem is assumed), and a node whose cache
+  differs fails before the first step instead of training on other data.
 - dataloaders yield collated batches; each example's collator generator is seeded by
   (seed, epoch, example index), so the masks depend neither on workers, nor on resuming, nor
   on how many ranks share the global batch (streaming: by (seed, epoch, rank, batch index)).
@@ -13,6 +16,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_transformer.data.cache import cache_lock, cache_root
 from lit_transformer.data.collate import (
     ClassifyCollator,
     CLMCollator,
@@ -71,6 +77,36 @@ class EpochLoader(DataLoader):
 
     def load_state_dict(self, state: dict) -> None:
         self._owner.load_state_dict(state)
+
+
+def data_fingerprint(prepared: Prepared) -> str:
+    """A short hash of what a process trains and validates on: its tokenizer, and per split the
+    cache entry's key (corpus, recipe options and tokenizer) and the shapes of its arrays (a cache
+    truncated or altered after it was written reads differently, under the same key)."""
+    parts: list = [hashlib.sha256(prepared.tokenizer.to_str().encode()).hexdigest()]
+    for split, entry in sorted(prepared.entries.items()):
+        parts.append([split, entry.path.name, entry.meta["arrays"]])
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def agree_on_data(fingerprint: str, node: int, where: str) -> None:
+    """Every rank of an initialised process group checks that all ranks read the same data (their
+    `data_fingerprint`s); the first rank that differs from rank 0 is named, with its node and cache,
+    in a one-line DataError that every rank raises, so that none is left waiting in a collective."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (fingerprint, node, where))
+    first = seen[0]
+    for rank, (other, other_node, other_where) in enumerate(seen):
+        if other != first[0]:
+            raise DataError(
+                f"the token caches differ between nodes: rank 0 (node {first[1]}) reads data {first[0]} "
+                f"from {first[2]}, rank {rank} (node {other_node}) reads data {other} from {other_where}; "
+                "every node must prepare the same corpus with the same recipe (delete the differing "
+                "cache directory and run again)"
+            )
 
 
 class RankedDataModule(L.LightningDataModule):
@@ -137,9 +173,10 @@ class TextDataModule(RankedDataModule):
     # ------------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
-        prepared = build(
-            self.data, self.tokenizer_cfg, self.objective, build=True, model_vocab_size=self.model_vocab_size
-        )
+        with cache_lock(cache_root(self.data.cache_dir)):  # one process of the node tokenizes, the others wait
+            prepared = build(
+                self.data, self.tokenizer_cfg, self.objective, build=True, model_vocab_size=self.model_vocab_size
+            )
         if self.run_dir is not None:
             write_run_files(prepared, self.run_dir, self.data.task)
         self._prepared = prepared  # this process's setup needs nothing more
@@ -159,6 +196,8 @@ class TextDataModule(RankedDataModule):
         self.collator = self._make_collator()
         for split, entry in self._prepared.entries.items():
             self._datasets[split] = LMBlocks(entry) if entry.meta["kind"] == "lm" else RaggedExamples(entry)
+        if self.trainer is not None:  # Lightning's setup hook: the process group exists, every rank is here
+            agree_on_data(self.fingerprint(), self.trainer.node_rank, str(cache_root(self.data.cache_dir)))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", train=True)
@@ -187,6 +226,10 @@ class TextDataModule(RankedDataModule):
         return batch
 
     # ------------------------------------------------------------------ what training needs
+
+    def fingerprint(self) -> str:
+        """`data_fingerprint` of the prepared data (after setup)."""
+        return data_fingerprint(self._ready())
 
     @property
     def tokenizer(self):

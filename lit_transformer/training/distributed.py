@@ -31,8 +31,11 @@ from lit_transformer.model.transformer import Block
 
 
 def is_main_process() -> bool:
-    """False in the extra processes a multi-device launch starts (LOCAL_RANK / NODE_RANK > 0)."""
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+    """False in every process but the first of the job: the extra processes a multi-device launch
+    starts (LOCAL_RANK / NODE_RANK > 0), and those torchrun (RANK) or srun (SLURM_PROCID) start on
+    other nodes, whose LOCAL_RANK is 0 too (torchrun sets no NODE_RANK)."""
+    first = ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID")
+    return all(os.environ.get(name, "0") == "0" for name in first)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
