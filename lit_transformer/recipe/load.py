@@ -278,13 +278,7 @@ def _chain(path: Path, seen: list[Path]) -> list[tuple[str, dict]]:
     if not path.is_file():
         where = f"{seen[-1]}: extends " if seen else ""
         raise RecipeError(f"{where}{path}: no such recipe file")
-    try:
-        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise RecipeError(f"{path}:{at}: malformed YAML: {problem}") from None
+    tree = read_yaml(path)
     if tree is None:
         tree = {}
     if not isinstance(tree, dict):
@@ -301,6 +295,17 @@ def _chain(path: Path, seen: list[Path]) -> list[tuple[str, dict]]:
         chain.extend(_chain(path.parent / parent, [*seen, resolved]))
     chain.append((str(path), _listify(rename(tree, ALIASES))))
     return chain
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's tree; malformed YAML or a key given twice is one line naming the file and place."""
+    try:
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise RecipeError(f"{path}:{at}: malformed YAML: {problem}") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -398,13 +403,7 @@ def load_suite(path: str | os.PathLike) -> list[EvalConfig]:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"{path}: no such suite file")
-    try:
-        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise RecipeError(f"{path}:{at}: malformed YAML: {problem}") from None
+    tree = read_yaml(path)
     if isinstance(tree, dict):
         unknown = [k for k in tree if k != "eval"]
         if unknown:
