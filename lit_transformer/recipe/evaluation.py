@@ -8,15 +8,14 @@ entry, a key that another kind reads or a required key left out. Nothing here im
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from omegaconf import MISSING, OmegaConf
-from omegaconf import errors as oc_errors
+from omegaconf import MISSING
 
-from lit_transformer.errors import RecipeError, closest, first_line
+from lit_transformer.errors import RecipeError, closest
+from lit_transformer.recipe.entries import build_entry, list_entries
 
 # heldout: loss / perplexity / bits per byte on a named text set; classify: a probe on a labelled
 # train and dev file; choice: zero-shot multiple choice by log-likelihood (the lm-evaluation-
@@ -148,19 +147,15 @@ def eval_entries(entries: Any, source: str) -> list[EvalConfig]:
     Names are unique: they prefix the metrics. A single file name becomes a list of one, in place."""
     if entries is None:
         return []
-    if not isinstance(entries, list):
-        raise RecipeError(f"{source}: eval: expected a list of evaluations, e.g. [{{name: held, kind: heldout}}]")
     out: list[EvalConfig] = []
-    for index, entry in enumerate(entries):
-        where = f"eval[{index}]"
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            where += f" ({entry['name']})"
-        if not isinstance(entry, dict):
-            raise RecipeError(f"{source}: {where}: an evaluation is a mapping with name and kind, got {entry!r}")
+    keys = [f.name for f in dataclasses.fields(EvalConfig)]
+    example, what = "[{name: held, kind: heldout}]", "an evaluation is a mapping with name and kind"
+    for where, entry in list_entries(entries, source, "eval", example, what):
         for key in FILE_KEYS:
             if isinstance(entry.get(key), str):
                 entry[key] = [entry[key]]
-        out.append(_entry(entry, source, where))
+        # EvalConfig's own checks name `eval.<name>.<key>`; `where` names the entry already
+        out.append(build_entry(EvalConfig, entry, source, where, keys, named=f"eval.{entry.get('name')}"))
     names = [e.name for e in out]
     for index, name in enumerate(names):
         if name in names[:index]:
@@ -169,40 +164,3 @@ def eval_entries(entries: Any, source: str) -> list[EvalConfig]:
                 "names must be unique (metrics are logged as eval/<name>/...)"
             )
     return out
-
-
-def _entry(entry: dict, source: str, where: str) -> EvalConfig:
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EvalConfig), entry))  # type: ignore[return-value]
-    except oc_errors.OmegaConfBaseException as error:
-        key = getattr(error, "full_key", "") or ""
-        if isinstance(error, oc_errors.ConfigKeyError):
-            names = [f.name for f in dataclasses.fields(EvalConfig)]
-            match = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-            hint = f" (did you mean `{match[0]}`?)" if match else ""
-            raise RecipeError(f"{source}: {where}: unknown key {key}{hint}") from None
-        if isinstance(error, oc_errors.MissingMandatoryValue):
-            raise RecipeError(f"{source}: {where}: missing value for {key}") from None
-        if key in ("kind", "embedded", "mode"):  # a Literal: list the values
-            allowed = typing.get_args(_literal(typing.get_type_hints(EvalConfig)[key]))
-            value = entry.get(key)
-            raise RecipeError(
-                f"{source}: {where}: {key}={value!r} is not one of {list(allowed)}{closest(value, allowed)}"
-            ) from None
-        message = first_line(error).split(" Did you mean")[0]
-        if "is not a ListConfig" in message:
-            message = "expected a list of files, e.g. [a.txt, b.txt]"
-        raise RecipeError(f"{source}: {where}: {key}: {message}" if key else f"{source}: {where}: {message}") from None
-    except RecipeError as error:
-        # EvalConfig's own checks name `eval.<name>.<key>`; `where` names the entry already
-        message, prefix = first_line(error), f"eval.{entry.get('name')}"
-        for lead in (prefix + ".", prefix + ": "):
-            message = message.removeprefix(lead)
-        raise RecipeError(f"{source}: {where}: {message}") from None
-
-
-def _literal(hint: Any) -> Any:
-    """The Literal inside Optional[Literal[...]], or the hint itself."""
-    if typing.get_origin(hint) is Literal:
-        return hint
-    return next((arg for arg in typing.get_args(hint) if typing.get_origin(arg) is Literal), hint)

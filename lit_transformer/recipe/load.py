@@ -21,7 +21,7 @@ import difflib
 import os
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -32,6 +32,7 @@ from lit_transformer.data.settings import LM_OBJECTIVES
 from lit_transformer.errors import RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
 from lit_transformer.recipe import mixture, registry
+from lit_transformer.recipe.entries import build_entry, list_entries, literal_of
 from lit_transformer.recipe.evaluation import EvalConfig, eval_entries
 from lit_transformer.recipe.schema import (
     ALIASES,
@@ -363,32 +364,12 @@ def _check_tasks(tree: Any, source: str) -> None:
     reports a key inside a list without its index)."""
     if not isinstance(tree, dict) or "tasks" not in tree:
         return
-    entries = tree["tasks"]
-    if not isinstance(entries, list):
-        raise RecipeError(f"{source}: tasks: expected a list of tasks, e.g. [{{name: clm, objective: clm}}]")
-    for index, entry in enumerate(entries):
-        where = f"tasks[{index}]"
-        if isinstance(entry, dict) and isinstance(entry.get("name"), str):
-            where += f" ({entry['name']})"
-        if not isinstance(entry, dict):
-            raise RecipeError(f"{source}: {where}: a task is a mapping with name and objective, got {entry!r}")
-        try:
-            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TaskConfig), entry))
-        except oc_errors.OmegaConfBaseException as error:
-            key = to_public(getattr(error, "full_key", "") or "")
-            if isinstance(error, oc_errors.ConfigKeyError):
-                names = [k.split(".", 1)[1] for k in all_keys(TaskConfig, "task.")]
-                match = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
-                hint = f" (did you mean `{match[0]}`?)" if match else ""
-                raise RecipeError(f"{source}: {where}: unknown key {key}{hint}") from None
-            if isinstance(error, oc_errors.MissingMandatoryValue):
-                raise RecipeError(f"{source}: {where}: missing value for {key}") from None
-            message = first_line(error).split(" Did you mean")[0]
-            raise RecipeError(
-                f"{source}: {where}: {key}: {message}" if key else f"{source}: {where}: {message}"
-            ) from None
-        except (DataError, ConfigError, RecipeError) as error:
-            raise RecipeError(f"{source}: {where}: {first_line(error)}") from None
+    keys = [k.split(".", 1)[1] for k in all_keys(TaskConfig, "task.")]
+    example, what = "[{name: clm, objective: clm}]", "a task is a mapping with name and objective"
+    for where, entry in list_entries(tree["tasks"], source, "tasks", example, what):
+        build_entry(
+            TaskConfig, entry, source, where, keys, public=to_public, checks=(DataError, ConfigError, RecipeError)
+        )
 
 
 def _check_eval(tree: Any, source: str) -> None:
@@ -460,22 +441,12 @@ def _translate(error: oc_errors.OmegaConfBaseException, source: str) -> RecipeEr
         message = message.split(" Did you mean")[0]
     hint = ""
     if key:
-        allowed = typing.get_args(_literal(field_type(key.split("."))))
+        allowed = typing.get_args(literal_of(field_type(key.split("."))))
         value = getattr(error, "value", None) if hasattr(error, "value") else None
         if allowed and value is not None:
             match = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
             hint = f" (did you mean `{match[0]}`?)" if match else ""
     return RecipeError(f"{source}: {public}: {message}{hint}" if public else f"{source}: {message}")
-
-
-def _literal(hint: Any) -> Any:
-    """The Literal inside Optional[Literal[...]], or the hint itself."""
-    if typing.get_origin(hint) is Literal:
-        return hint
-    for arg in typing.get_args(hint):
-        if typing.get_origin(arg) is Literal:
-            return arg
-    return None
 
 
 # ----------------------------------------------------------------------------- saving
