@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -121,14 +122,16 @@ def recipe_run(ctx: Context, recipe: str, overrides: list[str], steps: int) -> d
     vocab = f"tokenizer.vocab_size={VOCAB.get(recipe, 400)}"
     cfg = load_recipe(RECIPES / f"{recipe}.yaml", [*ctx.overrides(steps), vocab, *overrides, f"run.dir={run_dir}"])
     probe = probe_callback()
-    if ctx.cuda:
+    resident = 0
+    if ctx.cuda:  # the run's own peak: what earlier checks left allocated (the GPT-2 step) is not its own
         torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
     metrics = train(cfg, callbacks=[probe], progress_bar=False)
     by_step = {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
     losses = [by_step[s] for s in sorted(by_step)]
     need(len(losses) == steps, f"{recipe}: {len(losses)} logged losses for {steps} steps ({run_dir})")
     need(all(math.isfinite(x) for x in losses), f"{recipe}: non-finite loss in {losses}")
-    peak = torch.cuda.max_memory_allocated() if ctx.cuda else None
+    peak = torch.cuda.max_memory_allocated() - resident if ctx.cuda else None
     return {"dir": run_dir, "losses": losses, "metrics": metrics, "seen": probe.seen, "peak_bytes": peak}
 
 
@@ -459,6 +462,7 @@ def main(argv=None) -> int:
         "device": device,
         "device_name": common.device_name(device),
         "torch": torch.__version__,
+        "lightning": importlib.metadata.version("lightning"),
         "quick": args.quick,
         "rows": [],
     }
@@ -468,9 +472,9 @@ def main(argv=None) -> int:
             row = run_check(name, ctx)
             report["rows"].append(row)
             print(f"gpu_check: {name}: {row['status']} ({row['seconds']:.1f} s) {row['detail']}", file=sys.stderr)
+            if args.json:  # after every row: a lease that ends mid-run still leaves the rows done
+                Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     print_table(report, sys.stdout)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 1 if any(row["status"] == "fail" for row in report["rows"]) else 0
 
 

@@ -38,9 +38,12 @@ def leaves(bias: bool, seed: int = 0):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("chunk_rows", [1, 8, 1000])
 @pytest.mark.parametrize("piece_rows", [3, None])
-def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows, piece_rows, monkeypatch):
+@pytest.mark.parametrize("vocab_multiple", [1, 64])
+def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows, piece_rows, vocab_multiple, monkeypatch):
     if piece_rows is not None:  # float32 pieces of 3 rows, uneven in chunks of 8 and 1000
         monkeypatch.setattr(fused_loss, "PIECE_BYTES", 4 * V * piece_rows)
+    # the products over a vocabulary padded to 128 with zero rows (CUDA's path) change nothing
+    monkeypatch.setattr(fused_loss, "VOCAB_MULTIPLE", {"cpu": vocab_multiple})
     results = []
     for fn in (plain, lambda *a: linear_cross_entropy(*a, chunk_rows=chunk_rows)):
         x, w, b, labels = leaves(bias)
@@ -58,11 +61,13 @@ def test_equals_the_plain_path_in_float32(eps, bias, chunk_rows, piece_rows, mon
 
 
 @pytest.mark.parametrize("piece_rows", [3, None])
-def test_under_bf16_autocast_it_matches_the_plain_path(piece_rows, monkeypatch):
+@pytest.mark.parametrize("vocab_multiple", [1, 64])
+def test_under_bf16_autocast_it_matches_the_plain_path(piece_rows, vocab_multiple, monkeypatch):
     """Logits in bf16 by the same kernel, softmax in float32: the loss is identical, the
     gradients differ only by bf16 rounding (the weight's is summed per chunk)."""
     if piece_rows is not None:
         monkeypatch.setattr(fused_loss, "PIECE_BYTES", 4 * V * piece_rows)
+    monkeypatch.setattr(fused_loss, "VOCAB_MULTIPLE", {"cpu": vocab_multiple})
     out = []
     for fn in (plain, lambda *a: linear_cross_entropy(*a, chunk_rows=8)):
         x, w, b, labels = leaves(True, seed=1)

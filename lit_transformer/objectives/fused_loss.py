@@ -18,7 +18,8 @@ backward follows (`ObjectiveBase.fuse_head_and_loss`); the weight must be a plai
 FSDP2 the LM head's weight is sharded outside the model's forward, so the objectives use plain
 logits there).
 
-Shape legend: N rows (tokens), C features, V vocabulary, R rows in a chunk, r in a piece of it.
+Shape legend: N rows (tokens), C features, V vocabulary, P the vocabulary padded for the matrix
+products (VOCAB_MULTIPLE), R rows in a chunk, r in a piece of it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ CHUNK_ROWS = 2048  # (R, V) logits in the compute dtype: 200 MB in bf16 at V = 5
 # copies of a whole chunk (400 MB at GPT-2's vocabulary) came freshly mapped, and page-faulted
 # in, on every step (the measurement: docs/defaults.md, "Fused loss").
 PIECE_BYTES = 8 << 20
+# On a GPU the pieces serve no cache, and 8 MB ones are hundreds of tiny kernels per step, each
+# shorter than its launch (GPT-2's loss: 400 pieces of 41 rows per step of 16k tokens, seen in
+# `benchmarks/profile_step.py --device cuda`). Pieces of 128 MB are a few per chunk, and their two
+# float32 copies stay within the chunk's logits that `training/preflight.py` budgets for.
+ACCELERATOR_PIECE_BYTES = 128 << 20
+# On CUDA the vocabulary is padded to a multiple of this for the matrix products: at an odd V
+# (GPT-2's 50,257) every product with the logits has a leading dimension cuBLAS cannot align,
+# and it falls back to slow align-1 kernels (seen in `benchmarks/profile_step.py --device cuda`;
+# the same trick as nanoGPT's vocabulary of 50,304). The padded rows of the weight are zero, so
+# their logits are exactly 0 and are left out of the softmax; their gradient is never read.
+VOCAB_MULTIPLE = {"cuda": 64}  # by device type; 1 (no padding) elsewhere
+
+
+def _padded(tensor: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype` with zero rows appended up to `rows` (one copy either way)."""
+    if rows == tensor.shape[0]:
+        return tensor.to(dtype)
+    out = tensor.new_zeros((rows, *tensor.shape[1:]), dtype=dtype)
+    out[: tensor.shape[0]] = tensor
+    return out
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -51,10 +72,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count_correct: bool,
     ):
         x = features.to(compute_dtype)  # (N, C)
-        w = weight.to(compute_dtype)  # (V, C)
-        b = bias.to(compute_dtype) if bias is not None else None
-        N, V = x.shape[0], w.shape[0]
-        piece_rows = max(1, PIECE_BYTES // (4 * V))
+        N, V = x.shape[0], weight.shape[0]
+        multiple = VOCAB_MULTIPLE.get(x.device.type, 1)
+        P = -(-V // multiple) * multiple  # the vocabulary of the matrix products
+        w, b = _padded(weight, P, compute_dtype), None if bias is None else _padded(bias, P, compute_dtype)
+        piece_bytes = PIECE_BYTES if x.device.type == "cpu" else ACCELERATOR_PIECE_BYTES
+        piece_rows = max(1, piece_bytes // (4 * V))
         keep = labels != IGNORE_INDEX  # (N,)
         targets = labels.clamp(min=0)
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -70,13 +93,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             stop = min(start + chunk_rows, N)
             # logits by the kernel the plain head's nn.Linear uses (in the compute dtype); the
             # buffer becomes the chunk's gradient piece by piece below
-            logits = torch.nn.functional.linear(x[start:stop], w, b)  # (R, V)
+            logits = torch.nn.functional.linear(x[start:stop], w, b)  # (R, P)
             for lo in range(start, stop, piece_rows):
                 rows = slice(lo, min(lo + piece_rows, stop))
                 in_chunk = slice(lo - start, rows.stop - start)
                 mask = keep[rows, None].float()  # (r, 1)
                 # float32: a bf16 log-softmax over a large vocabulary loses the small probabilities
-                piece = logits[in_chunk].float()  # (r, V)
+                piece = logits[in_chunk, :V].float()  # (r, V)
                 if count_correct:
                     correct += ((piece.argmax(-1) == labels[rows]) & keep[rows]).sum()
                 if z_loss:
@@ -100,21 +123,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad.sub_(eps / V * mask)
                 if grad_b is not None:
                     grad_b += grad.sum(0)
-                logits[in_chunk] = grad  # rounded to the compute dtype
+                logits[in_chunk, :V] = grad  # rounded to the compute dtype; padded columns stay 0
             if not (want_x or want_w):
                 continue
-            # logits (R, V) now hold d loss / d logits
+            # logits (R, P) now hold d loss / d logits
             if want_x:
                 torch.mm(logits, w, out=grad_x[start:stop])  # (R, C)
             if want_w:
                 # rounded to the compute dtype per chunk, as autocast's plain backward rounds it once
-                part = logits.T @ x[start:stop]  # (V, C)
+                part = logits.T @ x[start:stop]  # (P, C)
                 if start == 0 and stop == N:  # the only chunk: no float32 sum needed
                     grad_w = part
                 elif grad_w is None:
                     grad_w = part.float()
                 else:
                     grad_w += part
+        grad_w = grad_w[:V] if grad_w is not None else None  # (V, C)
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.dtypes = (features.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(nll, correct)
