@@ -27,7 +27,9 @@ PROCESS_BYTES = int(0.6 * GB)
 # A data-loader worker is a fork of its rank; copy-on-write keeps most pages shared, but the
 # interpreter's reference counts touch some (an estimate, not a measurement of every corpus).
 WORKER_BYTES = int(0.25 * GB)
-LOSS_CHUNK_ROWS = 2048  # objectives/fused_loss.py's CHUNK_ROWS (a layer below: not imported)
+# objectives/fused_loss.py's CHUNK_ROWS and ACCELERATOR_PIECE_BYTES (objectives is a layer above: not imported)
+LOSS_CHUNK_ROWS = 2048
+LOSS_GPU_PIECE_BYTES = 128 << 20
 
 
 def cpu_cores() -> int:
@@ -146,6 +148,8 @@ def estimate(t: TrainerConfig, data: DataConfig, model: TransformerConfig, token
     # the LM head's logits exist one chunk of at most CHUNK_ROWS rows at a time, in the compute
     # dtype, and become that chunk's gradient in place (objectives/fused_loss.py): 4 bytes at most
     logits = 4 * min(batch * tokens, LOSS_CHUNK_ROWS) * model.vocab_size
+    if on_gpu(t):  # plus a GPU piece's two float32 copies (the CPU's pieces are a few MB)
+        logits += 2 * min(logits, LOSS_GPU_PIECE_BYTES)
     return MemoryEstimate(states=int(states), activations=int(activations + logits), tokens=tokens)
 
 
