@@ -248,6 +248,7 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
     tok.train_from_iterator(_batches(texts, cfg.max_train_bytes, seen), trainer)
     if seen["texts"] == 0:
         raise DataError(f"no text to train the tokenizer on: {describe} holds 0 documents")
+    tok = _canonical_ids(tok, len(specials))
     if cfg.kind == "wordpiece":
         cls_id, sep_id = tok.token_to_id(names["cls"]), tok.token_to_id(names["sep"])
         tok.post_processor = processors.TemplateProcessing(
@@ -263,6 +264,44 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig, *, describe: str
             special_tokens=[(names["eos"], eos_id)],
         )
     return _normalise(tok)
+
+
+# Unigram scores are rounded to this many decimals: the trainer's parallel sums differ between
+# processes in the last bits, far below any score difference that changes a segmentation.
+UNIGRAM_SCORE_DECIMALS = 9
+# The Unigram trainer appends the characters it must keep at the lowest score minus 1e-4 per
+# character, in hash-set order: the pieces within this of the lowest score get those scores
+# again, in string order.
+UNIGRAM_FLOOR_BAND = 0.01
+
+
+def _canonical_ids(tok: Tokenizer, n_specials: int) -> Tokenizer:
+    """The same ids for the same trained vocabulary in every process. The WordPiece and Unigram
+    trainers number their tokens in hash-map order (and Unigram's scores vary in the last bits),
+    so two processes trained the same vocabulary with other ids, and the same recipe and seed
+    trained another model. The special tokens keep their ids 0..n-1; the others follow, WordPiece's
+    in string order, Unigram's by rounded score, then string. BPE's ids are already stable (its
+    merges are ordered)."""
+    data = json.loads(tok.to_str())
+    model = data["model"]
+    if model["type"] == "WordPiece":
+        ranked = sorted(model["vocab"].items(), key=lambda item: item[1])
+        rest = sorted(token for token, _ in ranked[n_specials:])
+        model["vocab"] = {token: i for i, token in enumerate([t for t, _ in ranked[:n_specials]] + rest)}
+    elif model["type"] == "Unigram":
+        unk = model["vocab"][model["unk_id"]][0] if model.get("unk_id") is not None else None
+        pieces = [[piece, round(score, UNIGRAM_SCORE_DECIMALS)] for piece, score in model["vocab"]]
+        rest = sorted(pieces[n_specials:], key=lambda p: (-p[1], p[0]))
+        if rest:
+            floor = [p for p in rest if p[1] < rest[-1][1] + UNIGRAM_FLOOR_BAND]
+            scores = [score for _, score in floor]  # descending
+            rest = rest[: len(rest) - len(floor)] + [[piece, score] for (piece, _), score in zip(sorted(floor), scores)]
+        model["vocab"] = pieces[:n_specials] + rest
+        if unk is not None:
+            model["unk_id"] = next(i for i, (piece, _) in enumerate(model["vocab"]) if piece == unk)
+    else:
+        return tok
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _batches(texts: Iterable[str], max_bytes: int | None, seen: dict) -> Iterator[list[str]]:
