@@ -147,3 +147,19 @@ def test_the_table_states_the_precision_and_the_generation_cells(capsys):
         "generation gpt2 B=8 greedy float32 (32 new tokens): ours 120.0 tok/s, transformers 100.0 tok/s, "
         "1.20x (1.10-1.30), 97.5% same tokens, 25.0% of memory bandwidth"
     ) in out
+
+
+def test_recipe_sweep_corpora_resolve_to_data_overrides(tmp_path):
+    import recipe_sweep
+
+    (tmp_path / "a.txt").write_text("train\n")
+    (tmp_path / "b.txt").write_text("val\n")
+    assert recipe_sweep.corpus_overrides("stdlib", tmp_path) == ["data.train_files=[]", "data.val_files=[]"]
+    own = recipe_sweep.corpus_overrides(f"mine={tmp_path / 'a.txt'}:{tmp_path / 'b.txt'}", tmp_path)
+    assert own == [f"data.train_files=[{tmp_path / 'a.txt'}]", f"data.val_files=[{tmp_path / 'b.txt'}]"]
+    with pytest.raises(SystemExit, match="unknown corpus 'novels'"):
+        recipe_sweep.corpus_overrides("novels", tmp_path)
+    with pytest.raises(SystemExit, match="no such file"):
+        recipe_sweep.corpus_overrides("wikitext2", tmp_path)  # tmp_path holds no wikitext2/
+    with pytest.raises(SystemExit):
+        recipe_sweep.parse_args(["--corpora", "stdlib", "--held-out", "wikitext2"])
