@@ -174,6 +174,22 @@ def test_cosine_linear_constant_with_warmup():
     assert lr_multiplier(500, const, 110) == 1.0
 
 
+def test_wsd_holds_the_peak_then_cools_down_as_one_minus_sqrt():
+    """Warmup 10, then 100 decay steps: the peak until the last 20% (step_num 90), then
+    floor + (1 - floor)(1 - sqrt(t)) over the cooldown's fraction t; by time, the same shape
+    over max_time with warmup's ramp beneath it."""
+    wsd = OptimConfig(lr=1.0, schedule="wsd", warmup_steps=10, min_lr_ratio=0.1, cooldown_fraction=0.2)
+    assert lr_multiplier(4, wsd, 110) == pytest.approx(0.5)
+    assert [lr_multiplier(i, wsd, 110) for i in (9, 50, 89)] == [1.0, 1.0, 1.0]
+    assert lr_multiplier(94, wsd, 110) == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.25)))  # 5 of 20 cooldown steps
+    assert lr_multiplier(109, wsd, 110) == pytest.approx(0.1)
+    assert lr_multiplier(500, wsd, 110) == pytest.approx(0.1)
+    by_time = [lr_multiplier(100, wsd, elapsed=t, max_time=60.0) for t in (0.0, 47.9, 54.0, 60.0, 90.0)]
+    assert by_time == pytest.approx([1.0, 1.0, 0.1 + 0.9 * (1 - math.sqrt(0.5)), 0.1, 0.1])
+    with pytest.raises(ValueError, match="cooldown_fraction"):
+        OptimConfig(schedule="wsd", cooldown_fraction=0.0)
+
+
 def test_scheduler_drives_the_optimizer_lr_per_step():
     optim = OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=3, min_lr_ratio=0.2)
     param = torch.nn.Parameter(torch.ones(2))

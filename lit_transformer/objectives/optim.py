@@ -6,7 +6,7 @@ paper's "step_num": the first update already gets a non-zero learning rate, warm
 the peak at the update numbered `warmup_steps`, and decay ends at the update numbered
 `max_steps` (the last one a run takes).
 
-With a time budget (trainer.max_time) the linear and cosine decays read a TrainingClock instead
+With a time budget (trainer.max_time) the linear, cosine and wsd decays read a TrainingClock instead
 of the step: the fraction of the budget spent, from the first training batch, sets the decay,
 and warmup (still in steps) ramps up beneath it. The decay spans the whole budget because
 nobody knows in advance how much of the budget warmup will take.
@@ -65,6 +65,10 @@ def _decay(progress: float, optim: OptimConfig) -> float:
     floor = optim.min_lr_ratio
     if optim.schedule == "linear":
         return floor + (1.0 - floor) * (1.0 - progress)
+    if optim.schedule == "wsd":
+        # stable at the peak, then 1 - sqrt over the cooldown (Hagele et al. 2024, section 3)
+        cooldown = (progress - (1.0 - optim.cooldown_fraction)) / optim.cooldown_fraction
+        return 1.0 if cooldown <= 0 else floor + (1.0 - floor) * (1.0 - math.sqrt(min(cooldown, 1.0)))
     # Loshchilov & Hutter 2017 (SGDR) half-cosine, without restarts, down to the floor.
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -78,8 +82,8 @@ def lr_multiplier(
     elapsed: float | None = None,
     max_time: float | None = None,
 ) -> float:
-    """The factor on `optim.lr` for optimizer step `step` (0-based); with `max_time`, the linear
-    and cosine decays follow `elapsed` seconds of training out of `max_time` instead of the step."""
+    """The factor on `optim.lr` for optimizer step `step` (0-based); with `max_time`, the linear,
+    cosine and wsd decays follow `elapsed` seconds of training out of `max_time` instead of the step."""
     s = step + 1
     warmup = optim.warmup_steps
     if optim.schedule == "inverse_sqrt":
@@ -126,7 +130,7 @@ def make_scheduler(
             raise ValueError(f"max_time={max_time} must be positive")
         if clock is None:
             raise ValueError("a schedule with max_time needs a clock")
-    elif optim.schedule in ("linear", "cosine") and (max_steps is None or max_steps <= 0):
+    elif optim.schedule in ("linear", "cosine", "wsd") and (max_steps is None or max_steps <= 0):
         raise ValueError(f"the {optim.schedule} schedule needs a positive max_steps (got {max_steps})")
     if optim.schedule == "inverse_sqrt" and d_model is None:
         raise ValueError("the inverse_sqrt schedule needs d_model")

@@ -30,7 +30,7 @@ Precision = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 WandbMode = Literal["offline", "online", "disabled"]
 Pooling = Literal["first", "mean", "last"]
 Attention = Literal["causal", "bidirectional"]
-Schedule = Literal["constant", "linear", "cosine", "inverse_sqrt"]
+Schedule = Literal["constant", "linear", "cosine", "wsd", "inverse_sqrt"]
 SCHEDULES = typing.get_args(Schedule)
 OptimizerName = Literal["adamw", "muon"]
 OPTIMIZERS = typing.get_args(OptimizerName)
@@ -96,7 +96,11 @@ class OptimConfig:
     eps: float = 1e-8
     schedule: Schedule = "cosine"
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # cosine/linear decay floor as a fraction of lr
+    min_lr_ratio: float = 0.1  # cosine/linear/wsd decay floor as a fraction of lr
+    # wsd (warmup-stable-decay): the peak lr until the last `cooldown_fraction` of the steps after
+    # warmup (or of trainer.max_time), then a 1 - sqrt decay to the floor (Hagele et al. 2024, "Scaling Laws and
+    # Compute-Optimal Training Beyond Fixed Training Durations": a 20% cooldown matches cosine)
+    cooldown_fraction: float = 0.2
     label_smoothing: float = 0.0  # the 2017 paper used 0.1
     # muon: Muon (Jordan et al. 2024, torch.optim.Muon) for the 2-D weight matrices of the
     # Transformer blocks, AdamW for the rest, as the modded-nanoGPT speedrun does (optim.py)
@@ -123,6 +127,7 @@ class OptimConfig:
         need(self.muon_lr > 0, "optim.muon_lr", self.muon_lr, "must be positive")
         need(0 <= self.muon_momentum < 1, "optim.muon_momentum", self.muon_momentum, "is outside [0, 1)")
         need(self.z_loss >= 0, "optim.z_loss", self.z_loss, "must not be negative")
+        need(0 < self.cooldown_fraction <= 1, "optim.cooldown_fraction", self.cooldown_fraction, "is outside (0, 1]")
         need(self.lr > 0, "optim.lr", self.lr, "must be positive")
         need(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, "must not be negative")
         for key in ("beta1", "beta2"):
@@ -149,7 +154,7 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps (with max_time: an upper bound)
     # a budget in seconds of training (training.TimeBudget says what counts: from the first
     # training batch, without validation), after which the run finishes as at max_steps; the
-    # linear and cosine schedules then decay over it. None: no budget
+    # linear, cosine and wsd schedules then decay over it. None: no budget
     max_time: float | None = None
     devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
     num_nodes: int = 1
