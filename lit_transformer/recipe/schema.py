@@ -174,6 +174,10 @@ class TrainerConfig:
     # average the model weights of the last N checkpoints into the final model (Vaswani et al.
     # 2017, section 6.1: the last 5); null or 1: the final weights as trained
     average_last: int | None = None
+    # an exponential moving average of the weights, ema = d ema + (1 - d) w after every optimizer
+    # step, which validation, the named evaluations and the final model use (training.callbacks
+    # .WeightsEMA); null: none. Not with average_last or strategy=fsdp
+    ema_decay: float | None = None
     seed: int = 0
     deterministic: bool = False
     # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
@@ -218,6 +222,20 @@ class TrainerConfig:
         need_positive_int("trainer.num_threads", self.num_threads, optional=True)
         need_positive_int("trainer.limit_val_batches", self.limit_val_batches, optional=True)
         need_positive_int("trainer.average_last", self.average_last, optional=True)
+        if self.ema_decay is not None:
+            need(0 < self.ema_decay < 1, "trainer.ema_decay", self.ema_decay, "is outside (0, 1)")
+            need(
+                (self.average_last or 1) == 1,
+                "trainer.ema_decay",
+                self.ema_decay,
+                f"and trainer.average_last={self.average_last} both average the weights: choose one",
+            )
+            need(
+                self.strategy != "fsdp",
+                "trainer.ema_decay",
+                self.ema_decay,
+                "needs whole weights on every rank; with trainer.strategy=fsdp leave it null",
+            )
         need(self.max_time is None or self.max_time > 0, "trainer.max_time", self.max_time, "must be positive or null")
 
 

@@ -1,18 +1,20 @@
 """The callbacks a run's Trainer carries: step checkpoints, per-step seeds, the non-finite guard,
-the wall-clock budget, the progress bar, sample generations and the freed-memory policy.
+the wall-clock budget, the progress bar, sample generations, the freed-memory policy and the
+weights' moving average.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
 from lit_transformer.data.collate import batch_generator
@@ -245,3 +247,36 @@ def keep_freed_memory(keep: bool) -> bool:
     done = bool(libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX) and libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD))
     libc.malloc_trim(0)
     return done
+
+
+class WeightsEMA(EMAWeightAveraging):
+    """trainer.ema_decay: Lightning's exponential moving average of the weights, updated after
+    every optimizer step (ema = d ema + (1 - d) w), put in place for every validation and the
+    named evaluations that follow it, and copied into the model when training ends, so that the
+    final validation, evaluations and model.safetensors are the average's. A checkpoint's
+    `state_dict` holds the average (what `evaluate` and `export` read) and `current_model_state`
+    the trained weights, which a resume continues from.
+
+    It must come last among the callbacks: the named evaluations run in their on_validation_end,
+    before this one puts the trained weights back in its own."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        # Lightning warns that configure_model may shard layers; the objectives only shard under
+        # FSDP, which trainer.ema_decay refuses (recipe/schema.py)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*overrides the configure_model")
+            super().setup(trainer, pl_module, stage)
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        pass  # swapped over the whole validation instead (on_validation_start / _end)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        pass
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self._average_model is not None:
+            self._swap_models(pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._average_model is not None:
+            self._swap_models(pl_module)

@@ -28,6 +28,7 @@ from lit_transformer.training.callbacks import (
     StepCheckpoint,
     StepSeed,
     TimeBudget,
+    WeightsEMA,
 )
 from lit_transformer.training.checkpoints import AtomicCheckpointIO
 from lit_transformer.training.distributed import FSDP2Strategy, is_main_process
@@ -197,7 +198,10 @@ def build_callbacks(
         callbacks.append(ProgressBar(t.max_time))
     if t.keep_freed_memory:
         callbacks.append(KeepFreedMemory())
-    return callbacks + list(extra)
+    callbacks += list(extra)
+    if t.ema_decay is not None:  # last: see WeightsEMA
+        callbacks.append(WeightsEMA(decay=t.ema_decay))
+    return callbacks
 
 
 def build_trainer(
