@@ -184,11 +184,13 @@ def test_two_processes_match_one_with_the_same_global_batch(request, strategy, o
     assert got == pytest.approx(expected, abs=1e-5, rel=0), (got, expected)
     # the final model (gathered from the shards under FSDP) is the one-process model after
     # three AdamW steps at lr 1e-2, each of which moves every weight by about 1e-2: the
-    # tolerance is 0.5% of one step (Adam's g / sqrt(v) turns float32 round-off in the summed
-    # gradients into ~1e-5 weight differences; measured up to 1.0e-5)
-    assert _max_weight_difference(single / objective, run) < 5e-5
+    # tolerance is 2% of one step. Adam's g / sqrt(v) turns float32 round-off in the summed
+    # gradients into weight differences, largest where a gradient is near zero (a rare token's
+    # embedding row): measured up to 1.0e-5, and 7.3e-5 for span under FSDP once the trained
+    # Unigram vocabulary got canonical ids. A missing or doubled gradient sync moves weights by ~1e-2.
+    assert _max_weight_difference(single / objective, run) < 2e-4
     if objective == "classify":
-        assert _max_weight_difference(single / objective, run, "classifier.safetensors") < 5e-5
+        assert _max_weight_difference(single / objective, run, "classifier.safetensors") < 2e-4
     if objective in ("clm", "span", "seq2seq"):  # rank 0 generated after every validation
         samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
         assert [entry["step"] for entry in samples] == list(range(1, STEPS + 1))
