@@ -13,6 +13,12 @@ Without `val_files`, validation is held out of the training files by a stable ha
 example's text (`data.val_fraction`), so the same text never lands in both splits. Caps
 (`max_documents`, `max_train_bytes`, `max_val_bytes`) keep documents in order until the byte
 cap; the document that crosses it is cut at a line boundary.
+
+Positions (streaming resume): `SplitSource.position(stats)` is a small dict saying where the
+next item starts; `iterate(stats, start=position)` resumes there without reading what came
+before: text and jsonl files by seeking to (file, byte offset), parquet files at (file, row
+group, row), csv/tsv/json files and hub streams through `datasets`' IterableDataset state
+(earlier files and shards are not read; `datasets` reads the current one up to the position).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class SplitSource:
     kind: str
     describe: str  # for messages and summaries: the files, or "embedded stdlib ..."
     _fingerprint: Callable[[], Any]
-    _iterate: Callable[[ReadStats], Iterator]
+    _iterate: Callable[[ReadStats, dict | None], Iterator]
 
     def fingerprint(self) -> str:
         if not hasattr(self, "_fp"):
@@ -50,8 +56,17 @@ class SplitSource:
             self._fp = hashlib.sha256(payload.encode()).hexdigest()
         return self._fp
 
-    def iterate(self, stats: ReadStats) -> Iterator:
-        return self._iterate(stats)
+    def iterate(self, stats: ReadStats, start: dict | None = None) -> Iterator:
+        """The split's items, from `start` (a `position` of an earlier iteration) when given."""
+        if start is not None:
+            stats.documents, stats.bytes = start["documents"], start["bytes"]  # the caps go on counting
+            stats.cursor = {k: v for k, v in start.items() if k not in ("documents", "bytes")}
+        return self._iterate(stats, start)
+
+    @staticmethod
+    def position(stats: ReadStats) -> dict:
+        """Where the item after the last one yielded starts (small: JSON-able numbers and dicts)."""
+        return {**stats.cursor, "documents": stats.documents, "bytes": stats.bytes}
 
 
 def build_sources(cfg: DataConfig, objective: str, *, streaming: bool | None = None) -> dict[str, SplitSource]:
@@ -80,10 +95,10 @@ def _embedded_sources(cfg: DataConfig, kind: str) -> dict[str, SplitSource]:
     if kind == "lm":
         for split in ("train", "validation"):
 
-            def iterate(stats, split=split):
-                for _, path in stdlib.corpus_split(split, cfg.val_fraction or 0.02):
-                    stats.files.append(str(path))
-                    yield from F.iter_text_documents(path, "file", cfg.max_line_bytes, stats)
+            def iterate(stats, start=None, split=split):
+                paths = [path for _, path in stdlib.corpus_split(split, cfg.val_fraction or 0.02)]
+                stats.files.extend(str(p) for p in paths)
+                yield from _text_files(paths, "file", cfg.max_line_bytes, stats, start)
 
             out[split] = SplitSource(
                 split,
@@ -96,9 +111,12 @@ def _embedded_sources(cfg: DataConfig, kind: str) -> dict[str, SplitSource]:
     examples = stdlib.classification_examples if kind == "classify" else stdlib.seq2seq_examples
     for split in ("train", "validation", "test"):
 
-        def iterate(stats, split=split):
-            for ex in examples()[split]:
-                yield (ex["text"], None, ex["label"]) if kind == "classify" else (ex["source"], ex["target"])
+        def iterate(stats, start=None, split=split):
+            items = examples()[split]
+            rows = (
+                (ex["text"], None, ex["label"]) if kind == "classify" else (ex["source"], ex["target"]) for ex in items
+            )
+            yield from _counted(rows, stats, start)
 
         out[split] = SplitSource(
             split,
@@ -149,14 +167,16 @@ def _files_source(
         )
     columns = _columns(cfg, kind)
 
-    def iterate(stats: ReadStats):
+    def iterate(stats: ReadStats, start: dict | None = None):
         stats.files.extend(str(p) for p in paths)
         if fmt == "text":
-            for path in paths:
-                yield from F.iter_text_documents(path, cfg.text_format, cfg.max_line_bytes, stats)
+            yield from _text_files(paths, cfg.text_format, cfg.max_line_bytes, stats, start)
+            return
+        if streaming and fmt in ("jsonl", "parquet"):  # read here, not by `datasets`: a position is a seek
+            yield from _rows(_file_rows(paths, fmt, columns, names, stats, start), kind, columns, stats)
             return
         table = F.load_table(paths, fmt, key, streaming=streaming, num_proc=cfg.num_proc, cache_dir=_hf_cache(cfg))
-        yield from _table_rows(table, kind, columns, names, stats, cfg.task)
+        yield from _table_rows(table, kind, columns, names, stats, cfg.task, start)
 
     def fingerprint():
         return ["files", F.files_fingerprint(paths), fmt, cfg.text_format, cfg.max_line_bytes, columns, holdout]
@@ -178,10 +198,13 @@ def _aligned_sources(cfg: DataConfig) -> dict[str, SplitSource]:
         if len(src) != len(tgt):
             raise DataError(f"data.{src_key} matches {len(src)} files but data.{tgt_key} matches {len(tgt)}")
 
-        def iterate(stats, src=src, tgt=tgt):
-            for a, b in zip(src, tgt):
-                stats.files.extend([str(a), str(b)])
-                yield from F.aligned_lines(a, b, cfg.max_line_bytes, stats)
+        def iterate(stats, start=None, src=src, tgt=tgt):
+            def pairs():
+                for a, b in zip(src, tgt):
+                    stats.files.extend([str(a), str(b)])
+                    yield from F.aligned_lines(a, b, cfg.max_line_bytes, stats)
+
+            yield from _counted(pairs(), stats, start)  # seq2seq does not stream: resumed by counting
 
         names = ", ".join(f"{a} ~ {b}" for a, b in zip(src, tgt))
         out[split] = SplitSource(
@@ -226,9 +249,9 @@ def _hub_sources(cfg: DataConfig, kind: str, streaming: bool) -> dict[str, Split
         def load(hub_split=hub_split):
             return F.load_hub(cfg.hub_name, cfg.hub_config, hub_split, streaming=streaming, cache_dir=_hf_cache(cfg))
 
-        def iterate(stats, load=load):
+        def iterate(stats, start=None, load=load):
             stats.files.append(f"{cfg.hub_name}:{cfg.hub_config}")
-            yield from _table_rows(load(), kind, columns, where, stats, cfg.task)
+            yield from _table_rows(load(), kind, columns, where, stats, cfg.task, start)
 
         def fingerprint(load=load, hub_split=hub_split):
             ds = load()
@@ -261,32 +284,88 @@ def _hf_cache(cfg: DataConfig) -> str:
     return str(cache_root(cfg.cache_dir) / "hf")
 
 
-def _table_rows(table, kind, columns, where, stats: ReadStats, task: str) -> Iterator:
+def _text_files(paths: list[Path], text_format: str, max_line_bytes: int, stats: ReadStats, start) -> Iterator[str]:
+    """The documents of text files; position: (file index, byte offset of the next document)."""
+    first, offset = (start["file"], start["offset"]) if start and "file" in start else (0, 0)
+    for i in range(first, len(paths)):
+        for doc in F.iter_text_documents(paths[i], text_format, max_line_bytes, stats, offset if i == first else 0):
+            stats.cursor = {"file": i, "offset": stats.offset}
+            yield doc
+
+
+def _counted(items: Iterator, stats: ReadStats, start) -> Iterator:
+    """Items with their count as position; resuming skips that many (for sources that do not stream)."""
+    skip = start["row"] if start and "row" in start else 0
+    for i, item in enumerate(items):
+        if i >= skip:
+            stats.cursor = {"row": i + 1}
+            yield item
+
+
+def _table_rows(table, kind, columns, where, stats: ReadStats, task: str, start=None) -> Iterator:
+    """Rows of a `datasets` table. Position: the IterableDataset's `state_dict()` before the batch
+    of 1000 rows that holds the next row, and the row's index in it; a map-style Dataset (the
+    cached path) has no state: its position counts rows from the start."""
     cols = list(columns.values())
     checked = False
+    resumable = hasattr(table, "state_dict") and hasattr(table, "load_state_dict")
+    skip = start["row"] if start and "row" in start else 0
+    if resumable and start and start.get("table") is not None:
+        table.load_state_dict(start["table"])
+    state = table.state_dict() if resumable else None
+    base = 0  # index of the batch's first row: in the batch (resumable), else from the start
     for batch in table.iter(batch_size=1000):
         if not checked:
             F.require_columns(batch.keys(), columns, where)
             checked = True
         values = [batch[c] if c is not None else [None] * len(batch[cols[0]]) for c in cols]
-        for row in zip(*values):
-            if kind == "lm":
-                if isinstance(row[0], str) and row[0].strip():
-                    yield row[0]
-                continue
-            if kind == "classify":
-                text, pair, label = row
-                bad = (
-                    not _nonblank(text)
-                    or label is None
-                    or (columns["data.text_pair_column"] is not None and not _nonblank(pair))
-                )
-            else:
-                bad = not _nonblank(row[0]) or not _nonblank(row[1])
-            if bad:
-                stats.skipped_examples += 1
-                continue
-            yield tuple(row)
+        rows = enumerate(zip(*values), base)
+        yield from _rows(((row, {"table": state, "row": r + 1}) for r, row in rows if r >= skip), kind, columns, stats)
+        if resumable:
+            state, skip = table.state_dict(), 0
+        else:
+            base += len(values[0])
+
+
+def _file_rows(paths: list[Path], fmt: str, columns, where, stats: ReadStats, start) -> Iterator[tuple[tuple, dict]]:
+    """(row, position after it) of jsonl (file, byte offset) or parquet (file, row group, row) files."""
+    cols = list(columns.values())
+    resumed = start is not None and "file" in start  # a position after a row: columns checked then
+    first = start["file"] if resumed else 0
+    for i in range(first, len(paths)):
+        at = start if resumed and i == first else None
+        if fmt == "jsonl":
+            rows = F.iter_jsonl(
+                paths[i], stats, at["offset"] if at else 0, columns=None if at else columns, where=where
+            )
+            for row in rows:
+                yield tuple(row.get(c) if c is not None else None for c in cols), {"file": i, "offset": stats.offset}
+        else:
+            for group, r, row in F.iter_parquet(paths[i], columns, where, (at["group"], at["row"]) if at else (0, 0)):
+                yield row, {"file": i, "group": group, "row": r + 1}
+
+
+def _rows(rows: Iterator[tuple[tuple, dict]], kind, columns, stats: ReadStats) -> Iterator:
+    """The items of (row, position after it) pairs; blank or incomplete examples are dropped."""
+    for row, cursor in rows:
+        stats.cursor = cursor
+        if kind == "lm":
+            if isinstance(row[0], str) and row[0].strip():
+                yield row[0]
+            continue
+        if kind == "classify":
+            text, pair, label = row
+            bad = (
+                not _nonblank(text)
+                or label is None
+                or (columns["data.text_pair_column"] is not None and not _nonblank(pair))
+            )
+        else:
+            bad = not _nonblank(row[0]) or not _nonblank(row[1])
+        if bad:
+            stats.skipped_examples += 1
+            continue
+        yield tuple(row)
 
 
 def _nonblank(value) -> bool:
@@ -300,8 +379,8 @@ def _text_of(item, kind) -> str:
 
 
 def _held_out(iterate, kind, fraction: float, keep_val: bool):
-    def held(stats):
-        for item in iterate(stats):
+    def held(stats, start=None):
+        for item in iterate(stats, start):
             if (stdlib.hash_fraction(_text_of(item, kind)) < fraction) == keep_val:
                 yield item
 
@@ -318,8 +397,10 @@ def _capped(iterate, cfg: DataConfig, split: str):
     max_docs = cfg.max_documents if split == "train" else None
     max_bytes = cfg.max_train_bytes if split == "train" else cfg.max_val_bytes if split == "validation" else None
 
-    def capped(stats: ReadStats):
-        for item in iterate(stats):
+    def capped(stats: ReadStats, start: dict | None = None):
+        if start is not None and start.get("ended"):
+            return
+        for item in iterate(stats, start):
             kind = "lm" if isinstance(item, str) else ("seq2seq" if len(item) == 2 else "classify")
             size = _size(item, kind)
             if max_bytes is not None and stats.bytes + size > max_bytes:
@@ -330,13 +411,16 @@ def _capped(iterate, cfg: DataConfig, split: str):
                     if cut.strip():
                         stats.documents += 1
                         stats.bytes += len(cut.encode("utf-8", "surrogatepass"))
+                        stats.cursor = {**stats.cursor, "ended": True}  # a resumed read stops here too
                         yield cut
                 return
             stats.documents += 1
             stats.bytes += size
-            yield item
             if max_docs is not None and stats.documents >= max_docs:
+                stats.cursor = {**stats.cursor, "ended": True}
+                yield item
                 return
+            yield item
 
     return capped
 

@@ -13,7 +13,8 @@ Rules (each counted in `ReadStats` and reported by `prepare`):
   dropped); `paragraphs`: runs of non-blank lines separated by blank lines, joined with '\\n';
   `file`: the whole file, byte for byte (apart from skipped lines).
 - jsonl/json/csv/tsv/parquet go through `datasets`; a missing column names the column and
-  lists those present.
+  lists those present. A stream (`data.streaming`) reads jsonl and parquet itself
+  (`iter_jsonl`, `iter_parquet`, same rows), so that it can resume by seeking.
 - A hub dataset (`data.hub_name`) needs network: with HF_DATASETS_OFFLINE / HF_HUB_OFFLINE set,
   or when the hub does not answer a TCP connect within 3 s, it fails at once, before
   `datasets` could wait on retries.
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import socket
+import sys
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ EXTENSIONS = {
 BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "tsv": "csv", "parquet": "parquet"}
 BINARY_PROBE_BYTES = 1024
 READ_CHUNK = 1 << 20
+CHECK_ROWS = 1000  # a stream checks the columns on its first rows, as `datasets` on its first batch
 
 
 @dataclass
@@ -58,6 +62,8 @@ class ReadStats:
     long_lines_skipped: int = 0
     skipped_examples: int = 0  # blank pairs, missing values
     files: list[str] = field(default_factory=list)
+    offset: int = 0  # in the file being read: the byte just past the last line read (a seek target)
+    cursor: dict = field(default_factory=dict)  # where a source's next item starts (`SplitSource.position`)
 
     def note(self) -> str:
         parts = []
@@ -139,43 +145,51 @@ def decode(raw: bytes, stats: ReadStats) -> str:
         return text
 
 
-def iter_lines(path: Path, max_line_bytes: int, stats: ReadStats) -> Iterator[str | None]:
+def iter_lines(path: Path, max_line_bytes: int, stats: ReadStats, start: int = 0) -> Iterator[str | None]:
     """Each line of a file without its '\\n' (the last one may be ''), None for a skipped long line.
 
     Reads in 1 MiB chunks, so memory stays bounded by `max_line_bytes` whatever the file size.
+    Starts at byte `start` (a line start: a `stats.offset` seen before); before each line it
+    yields, `stats.offset` is set to the byte after it, so a reader can resume there by seeking.
     """
     buf = bytearray()
     skipping = False
-    first = True
+    first = start == 0
+    base = start  # file offset of chunk[0]
     with open(path, "rb") as f:
+        f.seek(start)
         while chunk := f.read(READ_CHUNK):
             if first:
                 first = False
                 if chunk.startswith(b"\xef\xbb\xbf"):
                     chunk = chunk[3:]
-            start = 0
+                    base += 3
+            pos = 0
             while True:
-                nl = chunk.find(b"\n", start)
+                nl = chunk.find(b"\n", pos)
                 if nl < 0:
                     if not skipping:
-                        buf += chunk[start:]
+                        buf += chunk[pos:]
                         if len(buf) > max_line_bytes:
                             skipping = True
                             buf.clear()
                     break
+                stats.offset = base + nl + 1
                 if skipping:
                     skipping = False
                     stats.long_lines_skipped += 1
                     yield None
                 else:
-                    buf += chunk[start:nl]
+                    buf += chunk[pos:nl]
                     if len(buf) > max_line_bytes:
                         stats.long_lines_skipped += 1
                         yield None
                     else:
                         yield decode(bytes(buf), stats)
                 buf.clear()
-                start = nl + 1
+                pos = nl + 1
+            base += len(chunk)
+    stats.offset = base
     if skipping:
         stats.long_lines_skipped += 1
         yield None
@@ -183,9 +197,12 @@ def iter_lines(path: Path, max_line_bytes: int, stats: ReadStats) -> Iterator[st
         yield decode(bytes(buf), stats)
 
 
-def iter_text_documents(path: Path, text_format: str, max_line_bytes: int, stats: ReadStats) -> Iterator[str]:
-    """Documents of one text file under the `data.text_format` rule (module docstring)."""
-    lines = iter_lines(path, max_line_bytes, stats)
+def iter_text_documents(
+    path: Path, text_format: str, max_line_bytes: int, stats: ReadStats, start: int = 0
+) -> Iterator[str]:
+    """Documents of one text file under the `data.text_format` rule (module docstring), from byte
+    `start` on; before each document it yields, `stats.offset` is where the next one starts."""
+    lines = iter_lines(path, max_line_bytes, stats, start)
     if text_format == "file":
         text = "\n".join(line for line in lines if line is not None)
         if text.strip():
@@ -237,6 +254,59 @@ def count_lines(path: Path) -> int:
             n += chunk.count(b"\n")
             last = chunk[-1:]
     return n + (last != b"\n")
+
+
+def iter_jsonl(path: Path, stats: ReadStats, start: int = 0, *, columns: dict | None = None, where: str = ""):
+    """The objects of a JSON-lines file from byte `start` (`stats.offset` as in `iter_lines`).
+    `columns` (config key -> column) are checked against the keys of the first `CHECK_ROWS`."""
+    head: list | None = [] if columns else None
+    for line in iter_lines(path, sys.maxsize, stats, start):  # a row is never cut, however long
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise DataError(f"{path}: the line ending at byte {stats.offset} is not JSON ({exc})") from exc
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: the line ending at byte {stats.offset} is not a JSON object")
+        if head is None:
+            yield row
+            continue
+        head.append((row, stats.offset))
+        if len(head) == CHECK_ROWS:
+            yield from _checked(head, columns, where, stats)
+            head = None
+    if head:
+        yield from _checked(head, columns, where, stats)
+
+
+def _checked(head: list, columns: dict, where: str, stats: ReadStats):
+    require_columns(set().union(*(row for row, _ in head)), columns, where)
+    end = stats.offset
+    for row, stats.offset in head:
+        yield row
+    stats.offset = end
+
+
+def iter_parquet(path: Path, columns: dict, where: str, start: tuple[int, int] = (0, 0)):
+    """(row group, row in it, the `columns`' values) of a parquet file, from row `start[1]` of
+    row group `start[0]`: a resumed read reads again the head of one row group, not the file."""
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow's errors: name the file
+        raise DataError(f"{path}: cannot read it as parquet: {str(exc).strip().splitlines()[0]}") from exc
+    require_columns(f.schema_arrow.names, columns, where)
+    names = list(dict.fromkeys(c for c in columns.values() if c is not None))
+    for group in range(start[0], f.num_row_groups):
+        row = 0
+        for batch in f.iter_batches(batch_size=CHECK_ROWS, row_groups=[group], columns=names):
+            values = {name: batch.column(name).to_pylist() for name in names}
+            for j in range(batch.num_rows):
+                if group > start[0] or row >= start[1]:
+                    yield group, row, tuple(values[c][j] if c is not None else None for c in columns.values())
+                row += 1
 
 
 def load_table(
