@@ -12,13 +12,8 @@ from torch.utils.data import DataLoader
 
 from lit_transformer.data.collate import IGNORE_INDEX, CLMCollator, MLMCollator, Seq2SeqCollator, example_generators
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.mixture import (
-    MixtureBatchSampler,
-    MixtureDataModule,
-    MixtureTask,
-    mixture_rates,
-    task_for_step,
-)
+from lit_transformer.data.mixture import MixtureDataModule, MixtureTask
+from lit_transformer.data.mixture_sampling import MixtureBatchSampler, mixture_rates, task_for_step
 from lit_transformer.data.module import TextDataModule
 from lit_transformer.data.prefix import DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.sampler import ResumableBatchSampler

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,15 @@ from lit_transformer.recipe.mixture import task_data, trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training import preflight
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
-from lit_transformer.training.checkpoints import check_architecture, read_checkpoint
-from lit_transformer.training.distributed import is_sharded, meta_language_model
+from lit_transformer.training.checkpoints import (
+    ResumeCounters,
+    accumulate_for,
+    check_architecture,
+    checkpoint_meta,
+    read_checkpoint,
+    saved_data_state,
+)
+from lit_transformer.training.distributed import is_main_process, is_sharded, meta_language_model
 from lit_transformer.training.rundir import CONFIG_YAML, TOKENIZER_JSON, open_run_dir
 from lit_transformer.training.trainer import build_trainer, finish_wandb
 
@@ -130,6 +138,8 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
     checked_model = model_config(cfg) if source is None else source_model_config(source)
     preflight.check(cfg.trainer, cfg.data, checked_model, longest_input(cfg)[1])
     run_dir, ckpt = open_run_dir(cfg)
+    if ckpt is not None:
+        cfg = keep_global_batch(cfg, ckpt)  # before the data module, which takes the accumulation
     if ckpt is None:
         save_config(cfg, run_dir / CONFIG_YAML)  # first, so that a run that fails later can be started again
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
@@ -142,6 +152,8 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
             check_architecture(read_checkpoint(ckpt, mmap=True), module.model_config.to_dict(), ckpt)
         save_config(cfg, run_dir / CONFIG_YAML)  # after the checks: a refused resume changes nothing
     extra = list(callbacks)
+    if ckpt is not None:
+        extra.append(ResumeCounters())  # Lightning's batch counters, when the data position moved to another layout
     evaluations = named_evaluations(cfg, run_dir, dm)  # before training: a bad entry fails here
     if evaluations is not None:
         extra.append(evaluations)
@@ -190,6 +202,30 @@ def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict
     finally:
         finish_wandb(run_dir)
     return metrics
+
+
+def keep_global_batch(cfg: RunConfig, ckpt: Path) -> RunConfig:
+    """`cfg` with the trainer.accumulate_grad_batches that keeps the global batch `ckpt` was
+    trained with on this run's ranks (checkpoints.accumulate_for: changed only where the recipe
+    left it as saved; one line says so, and config.yaml records it), else a RunError."""
+    state = saved_data_state(checkpoint_meta(ckpt))
+    if state is None:
+        return cfg
+    t = cfg.trainer
+    datas = [task_data(cfg, task) for task in cfg.tasks] if cfg.tasks else [cfg.data]
+    # a mixture's samplers take data.batch_size examples; one data kind's, a batch under batch_tokens
+    units = [d.batch_size if cfg.tasks or d.batch_tokens is None else 1 for d in datas]
+    world = preflight.processes_per_node(t) * t.num_nodes
+    accumulate = accumulate_for(state, world_size=world, units=units, accumulate=t.accumulate_grad_batches, path=ckpt)
+    if accumulate == t.accumulate_grad_batches:
+        return cfg
+    if is_main_process():
+        print(
+            f"resume: trainer.accumulate_grad_batches={accumulate} (was {t.accumulate_grad_batches}) keeps the "
+            f"global batch of {ckpt} on {world} rank(s)",
+            file=sys.stderr,
+        )
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, accumulate_grad_batches=accumulate))
 
 
 def named_evaluations(cfg: RunConfig, run_dir: Path, dm: Any):

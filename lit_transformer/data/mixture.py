@@ -1,5 +1,6 @@
 """A mixture of tasks on one model: how often each task is drawn, which task each optimizer
-step trains, and `MixtureDataModule`, which feeds every task from its own token cache.
+step trains, and `MixtureDataModule`, which feeds every task from its own token cache. The
+rates, the draws and the sampler are in data/mixture_sampling.py.
 
 - Rates (`mixture_rates`): the tasks' weights, or T5's examples-proportional mixing with an
   artificial limit K, optionally temperature-scaled (Raffel et al. 2020, 3.5.2).
@@ -11,7 +12,11 @@ step trains, and `MixtureDataModule`, which feeds every task from its own token 
   Task t seeds its permutation and its collator generators with seed + t, so a mixture of one
   task draws exactly the batches a single-objective run with the same seed draws.
 - Resume: the module's state is (micro-batches used, batches used per task), counted in
-  `on_before_batch_transfer` as in module.py, so prefetched batches are not counted.
+  `on_before_batch_transfer` as in module.py, so prefetched batches are not counted, with the
+  layout they were counted on (ranks, batch sizes, accumulation). On another layout each task
+  goes on from the position in its epoch's order that its global micro-batches reached (sampler.
+  cursor: any position, so a step that crossed a task's epoch boundary resumes too), and the
+  micro-batch count becomes the same optimizer step's.
 
 The training loader is infinite (its sampler has no length): Lightning then runs by steps,
 with validation every `val_check_interval` batches (an int) and check_val_every_n_epoch=None.
@@ -19,159 +24,33 @@ with validation every `val_check_interval` batches (an int) and check_val_every_
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
-import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from lit_transformer.data.cache import cache_lock, cache_root
 from lit_transformer.data.collate import example_generators
 from lit_transformer.data.corpus import build_sources, objective_kind
 from lit_transformer.data.errors import DataError
+from lit_transformer.data.mixture_sampling import MixtureBatchSampler, mixture_rates
 from lit_transformer.data.module import EpochLoader, RankedDataModule, TextDataModule, agree_on_data
 from lit_transformer.data.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.prepare import Prepared, resolve_tokenizer, write_run_files
-from lit_transformer.data.sampler import ResumableBatchSampler
+from lit_transformer.data.sampler import ResumableBatchSampler, cursor
 from lit_transformer.data.settings import DataConfig, TokenizerConfig
 from lit_transformer.data.tokenizer import SpecialTokens, check_extra_special_tokens, save_tokenizer
 
-RATE_METHODS = ("weights", "proportional", "temperature")
 TASK_OBJECTIVES = ("mlm", "clm", "prefix_lm", "span", "seq2seq")
 PIPELINES = ("mlm", "clm", "span", "seq2seq")
+# what the data state records of the layout it was counted on: ranks, each task's batch, accumulation
+MIXTURE_LAYOUT_KEYS = ("world_size", "batch_sizes", "accumulate")
 # prefix LM reads next-token blocks on a decoder, plain blocks that it splits on an encoder-decoder
 PREFIX_PIPELINES = {"decoder": "clm", "encoder_decoder": "mlm"}
-
-
-def mixture_rates(
-    sizes: Sequence[int],
-    method: str,
-    *,
-    weights: Sequence[float] | None = None,
-    cap: int | None = None,
-    temperature: float = 1.0,
-) -> list[float]:
-    """Each task's share of the optimizer steps, summing to 1.
-
-    weights:      w_i / sum_j w_j (weights=None: equal shares)
-    proportional: min(n_i, K) / sum_j min(n_j, K), n_i the task's training examples, K = cap
-                  (None: no limit), so a huge task does not crowd out the others (T5, 3.5.2)
-    temperature:  proportional to min(n_i, K) ** (1 / temperature); temperature 1 is
-                  proportional, a large one approaches equal shares
-    """
-    n = len(sizes)
-    if n == 0:
-        raise ValueError("mixture_rates: no tasks")
-    if method not in RATE_METHODS:
-        raise ValueError(f"mixture_rates: method={method!r} is not one of {list(RATE_METHODS)}")
-    if any(isinstance(s, bool) or int(s) != s or s < 0 for s in sizes):
-        raise ValueError(f"mixture_rates: sizes={list(sizes)} must be non-negative integers")
-    if cap is not None and (isinstance(cap, bool) or int(cap) != cap or cap <= 0):
-        raise ValueError(f"mixture_rates: cap={cap!r} must be a positive integer or None")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"mixture_rates: temperature={temperature!r} must be a positive number")
-    if method == "weights":
-        w = [1.0] * n if weights is None else [float(x) for x in weights]
-        if len(w) != n:
-            raise ValueError(f"mixture_rates: {len(w)} weights for {n} tasks")
-        if any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
-            raise ValueError(f"mixture_rates: weights={list(w)} must be non-negative with a positive sum")
-    else:
-        limited = [float(min(s, cap) if cap is not None else s) for s in sizes]
-        top = max(limited)
-        if top <= 0:
-            raise ValueError(f"mixture_rates: sizes={list(sizes)} hold no training examples")
-        power = 1.0 if method == "proportional" else 1.0 / temperature
-        w = [(m / top) ** power for m in limited]  # scaled by the largest first: no overflow for small T
-    total = sum(w)
-    return [x / total for x in w]
-
-
-def _uniform(seed: int, step: int) -> float:
-    """A uniform number in [0, 1) from a stable hash of (seed, step): no global RNG, no state."""
-    digest = hashlib.blake2b(repr(("mixture", int(seed), int(step))).encode(), digest_size=8).digest()
-    return (int.from_bytes(digest, "big") >> 11) / float(1 << 53)  # 53 bits: exact in a double
-
-
-def task_for_step(seed: int, step: int, rates: Sequence[float]) -> int:
-    """The task that optimizer step `step` trains: drawn with probabilities `rates`, keyed only by
-    (seed, step). A task of rate 0 is never drawn."""
-    bounds = list(itertools.accumulate(float(r) for r in rates))
-    if not bounds or bounds[-1] <= 0:
-        raise ValueError(f"task_for_step: rates={list(rates)} have no positive rate")
-    return bisect.bisect_right(bounds, _uniform(seed, step) * bounds[-1])
-
-
-class MixtureBatchSampler(DistributedSampler):
-    """Infinite keys (task, (epoch, batch index, example indices)): micro-batch i trains the task
-    of step i // accumulate, and takes that task's next batch (module docstring).
-
-    It subclasses DistributedSampler (as ResumableBatchSampler does) so that Lightning leaves it
-    in place under DDP; each task's sampler is already sharded by rank. It has no length, so a
-    DataLoader over it is an infinite iterable to Lightning. `resume(micro_batches, task_batches)`
-    sets where every later iteration starts (default: the beginning).
-    """
-
-    def __init__(
-        self, samplers: Sequence[ResumableBatchSampler], rates: Sequence[float], *, seed: int = 0, accumulate: int = 1
-    ):
-        if not samplers or len(samplers) != len(rates):
-            raise ValueError(f"MixtureBatchSampler: {len(samplers)} samplers for {len(rates)} rates")
-        if isinstance(accumulate, bool) or int(accumulate) != accumulate or accumulate < 1:
-            raise ValueError(f"MixtureBatchSampler: accumulate={accumulate!r} must be a positive integer")
-        first = samplers[0]
-        super().__init__(
-            range(0),
-            num_replicas=first.num_replicas,
-            rank=first.rank,
-            shuffle=any(s.shuffle for s in samplers),
-            seed=seed,
-            drop_last=True,
-        )
-        for t, (s, rate) in enumerate(zip(samplers, rates)):
-            if (s.num_replicas, s.rank) != (first.num_replicas, first.rank) or not s.drop_last:
-                raise ValueError(
-                    f"MixtureBatchSampler: task {t}'s sampler must be drop_last and on rank "
-                    f"{first.rank} of {first.num_replicas}, as task 0's"
-                )
-            if rate > 0 and len(s) == 0:
-                raise ValueError(f"MixtureBatchSampler: task {t} is drawn (rate {rate:.3g}) but has no full batch")
-        self.samplers, self.rates, self.accumulate = list(samplers), [float(r) for r in rates], int(accumulate)
-        self._start: tuple[int, list[int]] = (0, [0] * len(samplers))
-        self._shards: dict[int, tuple] = {}  # task -> (epoch, this rank's shard of that epoch)
-
-    def resume(self, micro_batches: int, task_batches: Sequence[int]) -> None:
-        if len(task_batches) != len(self.samplers):
-            raise ValueError(f"MixtureBatchSampler: {len(task_batches)} task counts for {len(self.samplers)} tasks")
-        self._start = (int(micro_batches), [int(c) for c in task_batches])
-
-    def __len__(self) -> int:
-        # a TypeError is what Lightning's `has_len` takes for "no length": an infinite loader
-        raise TypeError("MixtureBatchSampler is infinite and has no length")
-
-    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple]]]:
-        micro, counts = self._start[0], list(self._start[1])
-        while True:
-            t = task_for_step(self.seed, micro // self.accumulate, self.rates)
-            yield t, self.task_batch(t, counts[t])
-            counts[t] += 1
-            micro += 1
-
-    def task_batch(self, t: int, count: int) -> tuple[int, int, tuple]:
-        """Key of task t's batch number `count` (from its start): (epoch, batch index, indices)."""
-        sampler = self.samplers[t]
-        epoch, index = divmod(count, len(sampler))
-        cached = self._shards.get(t)
-        if cached is None or cached[0] != epoch:
-            cached = self._shards[t] = (epoch, sampler.shard(epoch))
-        size = sampler.batch_size
-        return epoch, index, tuple(int(i) for i in cached[1][index * size : (index + 1) * size])
 
 
 @dataclass
@@ -271,6 +150,9 @@ class MixtureDataModule(RankedDataModule):
         self._rates: list[float] | None = None
         self._sampler: MixtureBatchSampler | None = None
         self._micro = 0  # training micro-batches used so far
+        self._saved_layout: dict | None = None  # the layout a resumed position was counted on
+        self._origins = [(0, 0, 0)] * len(self.tasks)  # per task, where its count started (sampler.cursor)
+        self.carried: tuple[int, int] | None = None  # (saved, carried) micro-batches of a resume on another layout
         self._task_batches = [0] * len(self.tasks)  # of which each task's
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -363,7 +245,13 @@ class MixtureDataModule(RankedDataModule):
         }
 
     def state_dict(self) -> dict:
-        return {"micro_batches": self._micro, "task_batches": list(self._task_batches), "seed": self.seed}
+        return {
+            "micro_batches": self._micro,
+            "task_batches": list(self._task_batches),
+            "seed": self.seed,
+            "origins": [list(o) for o in self._origins],
+            **self._layout(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         counts = [int(c) for c in state["task_batches"]]
@@ -373,6 +261,9 @@ class MixtureDataModule(RankedDataModule):
                 f"{len(self.tasks)}; resume a mixture with the tasks it was trained with"
             )
         self._micro, self._task_batches = int(state["micro_batches"]), counts
+        # checkpoints written before the layout was saved resume as on this layout
+        self._saved_layout = {k: state[k] for k in MIXTURE_LAYOUT_KEYS} if "world_size" in state else None
+        self._origins = [tuple(int(x) for x in o) for o in state.get("origins", [(0, 0, 0)] * len(self.tasks))]
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is None or self.trainer.training:
@@ -503,5 +394,35 @@ class MixtureDataModule(RankedDataModule):
         return [t for t in range(len(self.tasks)) if split in self._ready_module(t)._prepared.sources]
 
     def _begin_train_epoch(self) -> None:
+        if self._saved_layout is not None and self._sampler is not None:
+            self._carry(self._saved_layout)
+        self._saved_layout = None
         if self._sampler is not None:
-            self._sampler.resume(self._micro, self._task_batches)
+            self._sampler.resume(self._micro, self._task_batches, self._origins)
+
+    def _layout(self) -> dict:
+        """How this run cuts its data into optimizer steps (MIXTURE_LAYOUT_KEYS)."""
+        batch_sizes = [task.data.batch_size for task in self.tasks]
+        return dict(world_size=self.world_size, batch_sizes=batch_sizes, accumulate=self.accumulate)
+
+    def _carry(self, saved: dict) -> None:
+        """The resumed position, counted on the `saved` layout, as this layout's (module docstring)."""
+        if saved == self._layout():
+            return
+        micro, world, accumulate = self._micro, saved["world_size"], saved["accumulate"]
+        if micro % accumulate:
+            raise DataError(
+                f"the checkpoint stopped after {micro} micro-batches on each of {world} ranks, inside an optimizer "
+                f"step of trainer.accumulate_grad_batches={accumulate}; resume it on that layout"
+            )
+        # each task goes on from the position its global micro-batches reached, in steps of this layout
+        self._origins = [
+            (count, *cursor(count, origin, sampler.num_examples, size * world))
+            if sampler.num_examples >= size * world
+            else origin  # no whole micro-batch: never drawn
+            for sampler, count, origin, size in zip(
+                self._sampler.samplers, self._task_batches, self._origins, saved["batch_sizes"]
+            )
+        ]
+        self.carried = (micro, micro // accumulate * self.accumulate)  # training.checkpoints.ResumeCounters
+        self._micro = self.carried[1]

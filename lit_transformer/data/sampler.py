@@ -10,6 +10,13 @@ examples of the permutation (as torch's DistributedSampler does) unless `pad_une
 It subclasses DistributedSampler so that Lightning leaves it in place under DDP instead of
 wrapping it in a second sampler. `resume(epoch, batches)` skips exactly the batches already
 consumed in that epoch; the skipped batches are never loaded.
+
+Resuming on another world size (`carry`): with W ranks of b examples per batch, the union of
+every rank's first K batches of an epoch is exactly the first K x b x W positions of that epoch's
+permutation. A position saved on one layout is therefore that prefix on any other: W' ranks of b'
+skip K x b x W / (b' x W') batches each, when that is a whole number. TokenBatchSampler is the
+same with whole batches in place of examples (its permutation is of batches). A mixture's task,
+whose epochs follow one another inside a step, goes on from any position instead (`cursor`).
 """
 
 from __future__ import annotations
@@ -43,10 +50,36 @@ class ResumableBatchSampler(DistributedSampler):
     def resume(self, epoch: int, batches_done: int) -> None:
         self._skip = (epoch, batches_done)
 
+    @property
+    def unit(self) -> int:
+        """Positions of the epoch's order in one batch (examples here; TokenBatchSampler: 1 batch)."""
+        return self.batch_size
+
+    def epoch_length(self, world_size: int, unit: int) -> int:
+        """Batches per rank per epoch on `world_size` ranks of `unit` positions (drop_last)."""
+        return self.num_examples // world_size // unit
+
+    def carry(self, batches: int, world_size: int, unit: int) -> int | None:
+        """This rank's batches of an epoch already trained, from a position saved as `batches` per
+        rank on `world_size` ranks of `unit` positions each (module docstring); None when that
+        prefix is not a whole number of this layout's global batches. A finished epoch stays
+        finished: the drop_last remainder differs between layouts and is never trained."""
+        if not self.drop_last:
+            raise ValueError("ResumableBatchSampler.carry: only training samplers (drop_last) carry a position")
+        if batches >= self.epoch_length(world_size, unit):
+            return len(self)
+        done, step = batches * unit * world_size, self.unit * self.num_replicas
+        return min(done // step, len(self)) if done % step == 0 else None
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The example order of `epoch`, the same on every rank."""
+        n = self.num_examples
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
     def shard(self, epoch: int) -> np.ndarray:
         """This rank's example indices for `epoch`, in order."""
         n, w = self.num_examples, self.num_replicas
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        order = self.order(epoch)
         mine = order[self.rank :: w]
         if self.drop_last:
             return mine[: n // w]
@@ -76,6 +109,22 @@ class ResumableBatchSampler(DistributedSampler):
         mine = self.shard(epoch)
         for b in range(start, len(self)):
             yield epoch, b, tuple(int(i) for i in mine[b * self.batch_size : (b + 1) * self.batch_size])
+
+
+def cursor(count: int, origin: tuple[int, int, int], num_examples: int, step: int) -> tuple[int, int]:
+    """(epoch, position in its order) of the batch a rank takes after `count` batches, when every
+    global micro-batch takes the next `step` (= batch x ranks) positions of the order and an epoch
+    ends where no whole one is left (drop_last). `origin` (count, epoch, position) is where the
+    counting started: (0, 0, 0) from the beginning; after a resume on another layout, the saved
+    count at the saved position, which need not be a multiple of `step`."""
+    first, epoch, position = origin
+    k = count - first
+    left = (num_examples - position) // step  # global micro-batches left in the origin's epoch
+    if k < left:
+        return epoch, position + k * step
+    k -= left
+    per_epoch = num_examples // step
+    return epoch + 1 + k // per_epoch, (k % per_epoch) * step
 
 
 class TokenBatchSampler(ResumableBatchSampler):
@@ -130,6 +179,13 @@ class TokenBatchSampler(ResumableBatchSampler):
     def __len__(self) -> int:
         w = self.num_replicas
         return self._count // w if self.drop_last else -(-self._count // w)
+
+    @property
+    def unit(self) -> int:
+        return 1
+
+    def epoch_length(self, world_size: int, unit: int) -> int:
+        return self._count // world_size
 
     def __iter__(self) -> Iterator[tuple[int, int, tuple]]:
         epoch = self.epoch

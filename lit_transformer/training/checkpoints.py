@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.errors import RunError, first_line
 
@@ -244,3 +245,95 @@ def checkpoint_objective(checkpoint: dict[str, Any], path: str | os.PathLike) ->
             f"(no {OBJECTIVE_KEY!r} and hyper_parameters)"
         )
     return name, hp
+
+
+# ----------------------------------------------------------------------------- another layout
+#
+# A run saved on W ranks may resume on W' (trainer.devices, trainer.num_nodes): the data modules
+# save the layout their position was counted on and carry it (data/sampler.py), `accumulate_for`
+# keeps the global batch, and `ResumeCounters` moves Lightning's batch counters to the carried
+# position, so that accumulation, validation every trainer.val_check_interval steps and the
+# epoch's end fall where they would have in a run on W' from the start.
+
+
+def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's dict without reading its weights: a sharded checkpoint's meta.pt, else the
+    file memory-mapped."""
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    return read_checkpoint(path, mmap=True)
+
+
+def saved_data_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The data module's state in a Lightning checkpoint (filed under the module's class name)."""
+    return next((v for k, v in checkpoint.items() if k.endswith("DataModule") and isinstance(v, dict)), None)
+
+
+def saved_units(state: dict[str, Any]) -> list[int]:
+    """Per task, what one rank's micro-batch holds in its sampler's units: examples, or 1 batch
+    under data.batch_tokens."""
+    if "batch_sizes" in state:  # a mixture
+        return [int(b) for b in state["batch_sizes"]]
+    return [int(state["batch_size"]) if state.get("batch_tokens") is None else 1]
+
+
+def accumulate_for(
+    state: dict[str, Any], *, world_size: int, units: list[int], accumulate: int, path: str | os.PathLike
+) -> int:
+    """The trainer.accumulate_grad_batches that keeps the global batch (micro-batch x accumulation
+    x ranks) the checkpoint's data `state` was trained with, on `world_size` ranks of `units`:
+    `accumulate` when it keeps it, the one that does when the recipe left accumulation as it was
+    saved (a run resumed on half the ranks accumulates twice as many micro-batches), else a
+    RunError saying what to set. Old checkpoints, without a layout, keep `accumulate`."""
+    if "world_size" not in state:
+        return accumulate
+    was_world, was_accumulate, was_units = int(state["world_size"]), int(state["accumulate"]), saved_units(state)
+    wanted = [u * was_accumulate * was_world for u in was_units]
+    if [u * accumulate * world_size for u in units] == wanted:
+        return accumulate
+    exact = None
+    if len(units) == len(was_units) and all(g % (u * world_size) == 0 for g, u in zip(wanted, units)):
+        options = {g // (u * world_size) for g, u in zip(wanted, units)}
+        exact = options.pop() if len(options) == 1 else None
+    if exact is not None and accumulate == was_accumulate:
+        return exact
+    was = f"{'/'.join(map(str, was_units))} x {was_accumulate} x {was_world} ranks = {'/'.join(map(str, wanted))}"
+    now = f"{'/'.join(map(str, units))} x {accumulate} x {world_size} ranks"
+    fix = (
+        f"set trainer.accumulate_grad_batches={exact}"
+        if exact is not None
+        else f"choose data.batch_size and trainer.accumulate_grad_batches so that batch x accumulation x {world_size} "
+        f"= {'/'.join(map(str, wanted))}"
+    )
+    raise RunError(
+        f"{path}: trained with a global batch (data.batch_size x trainer.accumulate_grad_batches x ranks) of {was}, "
+        f"resumed as {now}; {fix}"
+    )
+
+
+class ResumeCounters(Callback):
+    """After a resume whose data module carried its position to another layout (its `carried`:
+    this rank's micro-batches (saved, carried)), Lightning's batch counters are moved to match
+    before the first batch: the epoch's count to the carried one (where accumulation and the
+    epoch's end are judged) and the total, which times validation, to the earlier epochs' count
+    scaled by the change in accumulation plus this epoch's. The optimizer step is not touched."""
+
+    def __init__(self):
+        self._accumulate: int | None = None
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        state = saved_data_state(checkpoint) or {}
+        self._accumulate = int(state["accumulate"]) if "accumulate" in state else None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        carried = getattr(trainer.datamodule, "carried", None)
+        if carried is None or self._accumulate is None:
+            return
+        saved, now = carried
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        earlier = progress.total.ready - progress.current.ready
+        total = earlier * trainer.accumulate_grad_batches // self._accumulate + progress.current.ready + now - saved
+        for tracker, delta in ((progress.current, now - saved), (progress.total, total - progress.total.ready)):
+            for field in ("ready", "started", "processed", "completed"):
+                setattr(tracker, field, getattr(tracker, field) + delta)
