@@ -116,7 +116,9 @@ def evaluate(
     translation = style == "transform" and cfg.objective.bleu and not cfg.tasks
     cfg = dataclasses.replace(
         cfg,
-        data=data_cfg,
+        # evaluation reads the validation or test split from the token cache: a run trained from a
+        # litdata store is evaluated without litdata and without writing its training shards
+        data=dataclasses.replace(data_cfg, store="cache"),
         tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
         # BLEU is decoded below, over every sentence, not a few validation batches
         objective=dataclasses.replace(cfg.objective, bleu=False),

@@ -8,8 +8,10 @@
 - dataloaders yield collated batches; each example's collator generator is seeded by
   (seed, epoch, example index), so the masks depend neither on workers, nor on resuming, nor
   on how many ranks share the global batch (streaming: by (seed, epoch, rank, batch index)).
-- `state_dict` holds (epoch, batches consumed in it); Lightning saves it in checkpoints and
-  restores it before building dataloaders, and the sampler then skips exactly those batches.
+- `state_dict` holds (epoch, batches consumed in it) and the layout they were counted on (ranks,
+  batch, accumulation); Lightning saves it in checkpoints and restores it before building
+  dataloaders, and the sampler then skips exactly those batches: on another world size, the same
+  prefix of the epoch (sampler.carry).
   Consumed batches are counted in `on_before_batch_transfer`, which Lightning calls once per
   training batch it actually uses (prefetched batches are not counted).
 """
@@ -40,7 +42,11 @@ from lit_transformer.data.prepare import Prepared, block_params, build, write_ru
 from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
 from lit_transformer.data.settings import LM_OBJECTIVES, DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.span import SpanCorruptionCollator
-from lit_transformer.data.streaming import StreamingBlocks, estimate_bytes_per_token
+from lit_transformer.data.streaming import STATE_KEY, StreamingBlocks, estimate_bytes_per_token
+
+# what a data state records of the layout it was counted on (sampler.carry): ranks, the sampler's
+# batch, and micro-batches per optimizer step (resuming keeps the global batch: training/checkpoints.py)
+LAYOUT_KEYS = ("world_size", "batch_size", "batch_tokens", "accumulate")
 
 
 class _CollatedBatches(torch.utils.data.Dataset):
@@ -164,9 +170,12 @@ class TextDataModule(RankedDataModule):
         self._datasets: dict = {}
         self._train_sampler: ResumableBatchSampler | None = None
         self._train_stream: StreamingBlocks | None = None
+        self._stream_resume: dict | None = None  # streaming: the workers' positions of a loaded state
         self._epoch = 0  # epoch of the current (or next) training iteration
         self._consumed = 0  # training batches of that epoch used so far
         self._resume: tuple[int, int] | None = None
+        self._saved_layout: dict | None = None  # the layout the resumed position was counted on
+        self.carried: tuple[int, int] | None = None  # (saved, carried) batches of a resume on another layout
         self._next_epoch = 0  # without a trainer: epochs count iterations of the train loader
         self._stream_bytes_per_token: dict[str, float] = {}  # by split
 
@@ -213,16 +222,25 @@ class TextDataModule(RankedDataModule):
         return self.val_dataloader()
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "batches": self._consumed, "seed": self.seed}
+        # with the layout the position was counted on, so that a resume on other ranks carries it
+        state = {"epoch": self._epoch, "batches": self._consumed, "seed": self.seed, **self._layout()}
+        if self._train_stream is not None or self._stream_resume is not None:  # streaming: where each worker is
+            state["stream"] = self._stream_resume or self._train_stream.state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._resume = (int(state["epoch"]), int(state["batches"]))
         self._epoch, self._consumed = self._resume
         self._next_epoch = self._resume[0]
+        # checkpoints written before the layout was saved resume as on this layout
+        self._saved_layout = {k: state[k] for k in LAYOUT_KEYS} if "world_size" in state else None
+        self._stream_resume = state.get("stream")  # absent (older checkpoints): the stream skips batches
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is None or self.trainer.training:
             self._consumed += 1
+        if isinstance(batch, dict) and STATE_KEY in batch:  # a training stream's position, not for the model
+            self._train_stream.note(batch.pop(STATE_KEY))
         return batch
 
     # ------------------------------------------------------------------ what training needs
@@ -310,19 +328,66 @@ class TextDataModule(RankedDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else self._next_epoch
         self._next_epoch = epoch + 1
         skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
-        self._resume = None
+        if self._resume is not None and self._saved_layout is not None:
+            carried = self._carry(skip, epoch)
+            if self._saved_layout != self._layout():  # training.checkpoints.ResumeCounters moves Lightning's count
+                self.carried = (skip, carried)
+            skip = carried
+        self._resume, self._saved_layout = None, None
         self._epoch, self._consumed = epoch, skip
         if self._train_sampler is not None:
             self._train_sampler.set_epoch(epoch)
             self._train_sampler.resume(epoch, skip)
         if self._train_stream is not None:
-            self._train_stream.set_epoch(epoch, skip)
+            self._train_stream.set_epoch(epoch, skip, resume=self._stream_resume)
+        self._stream_resume = None
+
+    def _layout(self) -> dict:
+        """How this run cuts its data into optimizer steps (LAYOUT_KEYS)."""
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        cfg = self.data
+        return dict(
+            world_size=self.world_size, batch_size=cfg.batch_size, batch_tokens=cfg.batch_tokens, accumulate=accumulate
+        )
+
+    def _carry(self, batches: int, epoch: int) -> int:
+        """`batches` of `epoch` used per rank on the saved layout, as this layout's count (sampler.carry)."""
+        saved, now, cfg = self._saved_layout, self._layout(), self.data
+        keys = ("world_size", "batch_size", "batch_tokens")
+        if batches == 0 or all(saved[k] == now[k] for k in keys):
+            return batches
+        where = (
+            f"the checkpoint stopped after {batches} batches of epoch {epoch} on each of {saved['world_size']} "
+            f"ranks (data.batch_size={saved['batch_size']}, data.batch_tokens={saved['batch_tokens']})"
+        )
+        if self._train_sampler is None:  # a stream or a store, sharded by rank as read: no one order to skip in
+            kind = "data.streaming=true" if cfg.streaming else f"data.store={cfg.store}"
+            raise DataError(
+                f"{where}: {kind} resumes only on the layout it was saved with; set trainer.devices x "
+                f"trainer.num_nodes = {saved['world_size']} and data.batch_size={saved['batch_size']}"
+            )
+        if saved["batch_tokens"] != cfg.batch_tokens:
+            raise DataError(
+                f"{where}: data.batch_tokens cuts the batches, resume with data.batch_tokens={saved['batch_tokens']}"
+            )
+        unit = saved["batch_size"] if saved["batch_tokens"] is None else 1
+        carried = self._train_sampler.carry(batches, saved["world_size"], unit)
+        if carried is None:
+            done, step = batches * unit * saved["world_size"], self._train_sampler.unit * self.world_size
+            kind = "examples" if cfg.batch_tokens is None else "batches"
+            raise DataError(
+                f"{where}: {done} {kind}, not a whole number of global micro-batches of {step} {kind} on "
+                f"{self.world_size} ranks; choose trainer.devices and data.batch_size so that it is"
+            )
+        return carried
 
     def _loader(self, split: str, *, train: bool) -> DataLoader:
         self._ready()
         cfg = self.data
         batch_size = cfg.batch_size if train else (cfg.eval_batch_size or cfg.batch_size)
         kwargs = dict(batch_size=None, num_workers=cfg.num_workers, pin_memory=torch.cuda.is_available())
+        if train and cfg.store == "litdata":
+            return self._store_loader(batch_size)
         if cfg.streaming:
             block_len, stride = block_params(self.objective, cfg)
             stream = StreamingBlocks(
@@ -339,6 +404,8 @@ class TextDataModule(RankedDataModule):
                 shuffle=train and cfg.shuffle,
                 shuffle_buffer=cfg.shuffle_buffer,
                 drop_last=train,
+                num_workers=cfg.num_workers,
+                carry_state=train,
             )
             if not train:
                 return DataLoader(stream, **kwargs)
@@ -369,3 +436,22 @@ class TextDataModule(RankedDataModule):
             return DataLoader(dataset, sampler=sampler, **kwargs)
         self._train_sampler = sampler
         return EpochLoader(dataset, sampler=sampler, owner=self, **kwargs)
+
+    def _store_loader(self, batch_size: int) -> DataLoader:
+        """data.store=litdata: training batches from the litdata shards (store.py); validation and
+        test stay on the token cache, which every rank reads whole or in its own rows anyway."""
+        from lit_transformer.data.store import StoreLoader  # litdata: an optional extra, checked by build
+
+        return StoreLoader(
+            self._prepared.store,
+            collator=self.collator,
+            batch_size=batch_size,
+            seed=self.seed,
+            shuffle=self.data.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+            num_nodes=self.trainer.num_nodes if self.trainer is not None else 1,
+            num_workers=self.data.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            owner=self,
+        )

@@ -48,6 +48,7 @@ class Prepared:
     label_names: list | None = None
     summaries: dict[str, dict] = field(default_factory=dict)
     tokenizer_source: str = ""  # "trained", "cached" or the loaded path
+    store: Path | None = None  # data.store=litdata: the train split's shards (store.py)
 
 
 def block_params(objective: str, cfg: DataConfig) -> tuple[int, int]:
@@ -115,6 +116,10 @@ def build(
     kind = objective_kind(objective)
     if data_cfg.streaming and kind != "lm":
         raise DataError(f"data.streaming=true is for LM objectives (mlm, clm, span), not {objective!r}")
+    if data_cfg.store != "cache":  # before any tokenizing: a missing extra is the first thing said
+        if kind != "lm":
+            raise DataError(f"data.store={data_cfg.store} is for LM objectives (mlm, clm, span), not {objective!r}")
+        require_litdata()
     sources = build_sources(data_cfg, objective)
     tokenizer, origin, tok_hash = resolve_tokenizer(data_cfg, tok_cfg, sources, build=build)
     special = check_tokenizer(
@@ -162,7 +167,26 @@ def build(
         out.summaries[split] = _summary(split, entry, cached, time.perf_counter() - t0)
     if "train" not in out.entries:
         raise DataError("no training split: set data.train_files (or leave it empty for the embedded corpus)")
+    if data_cfg.store == "litdata":
+        from lit_transformer.data import store  # imports litdata: an optional extra, checked above
+
+        out.store, seconds, written = store.write_store(
+            root, out.entries["train"], num_proc=data_cfg.num_proc, build=build
+        )
+        out.summaries["train"]["store"] = {"path": str(out.store), "seconds": round(seconds, 3), "cached": not written}
     return out
+
+
+def require_litdata() -> None:
+    """data.store=litdata's package, or a one-line error naming the extra that installs it."""
+    try:
+        import litdata  # noqa: F401
+    except ImportError as exc:
+        raise DataError(
+            f"data.store=litdata needs the litdata package ({exc}): install the `store` extra "
+            "(scripts/install.sh does; by hand: pip install -e '.[store]' && pip install --no-deps "
+            "litdata==0.2.76, docs/data.md) or set data.store=cache"
+        ) from exc
 
 
 def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfig, tokenizer, special, label_names):
@@ -284,6 +308,12 @@ def prepare(
         )
         for s in prepared.summaries.values():
             print_fn(format_summary(dict(s, kind="lm" if objective_kind(objective) == "lm" else "examples")))
+            if "store" in s:
+                st = s["store"]
+                print_fn(
+                    f"{'store':<10} litdata shards of the {s['split']} blocks {st['seconds']:>8.2f} s -> {st['path']}"
+                    + ("  (cached)" if st["cached"] else "")
+                )
         if data_cfg.streaming:
             print_fn("streaming  documents are tokenized on the fly during training (no token cache)")
     return {

@@ -24,6 +24,7 @@ Format = Literal["auto", "text", "jsonl", "json", "csv", "tsv", "parquet"]
 TextFormat = Literal["lines", "paragraphs", "file"]
 Task = Literal["single_label", "multi_label", "regression"]
 TokenizerKind = Literal["bpe", "wordpiece", "unigram"]
+Store = Literal["cache", "litdata"]
 
 
 @dataclass
@@ -57,6 +58,11 @@ class DataConfig:
     max_line_bytes: int = 1 << 20  # a longer line is skipped and counted (corpus.py)
     streaming: bool = False  # tokenize and pack on the fly, no token cache (LM objectives)
     shuffle_buffer: int = 1024  # streaming: blocks held for shuffling
+    # LM objectives: where packed training blocks are read from. cache: the memory-mapped token
+    # cache, the fastest on one machine. litdata: the same blocks also written as litdata shards
+    # (store.py), read with disjoint shards per rank and resumed without reading skipped blocks:
+    # for corpora that outgrow one node (the optional `store` extra; docs/data.md)
+    store: Store = "cache"
     block_size: int = 128  # LM objectives: tokens per example (span: encoder input length)
     max_length: int = 128  # classify / seq2seq source truncation
     max_target_length: int = 128  # seq2seq target truncation
@@ -86,6 +92,12 @@ class DataConfig:
         _check_choice("data.format", self.format, get_args(Format))
         _check_choice("data.text_format", self.text_format, get_args(TextFormat))
         _check_choice("data.task", self.task, get_args(Task))
+        _check_choice("data.store", self.store, get_args(Store))
+        if self.streaming and self.store != "cache":
+            raise DataError(
+                f"data.streaming=true reads no stored blocks; data.store={self.store!r} needs "
+                "data.streaming=false (or leave data.store=cache)"
+            )
         for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes", "shuffle_buffer"):
             _check_positive(f"data.{name}", getattr(self, name))
         for name in (

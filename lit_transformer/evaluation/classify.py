@@ -135,6 +135,7 @@ def _data_config(entry: EvalConfig, run: DataConfig) -> DataConfig:
         max_train_bytes=None,
         max_val_bytes=None,
         streaming=False,
+        store="cache",  # the probe's small set; a run's litdata store is for its training blocks
     )
 
 

@@ -72,6 +72,7 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
         max_train_bytes=None,
         max_val_bytes=None,
         streaming=False,
+        store="cache",  # a held-out set is read whole from the cache; the run's store holds its training blocks
         num_workers=0,
     )
     if entry.embedded == "stdlib_text":

@@ -244,6 +244,11 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
             f"{source}: data.streaming=true is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
             f"not {cfg.objective.name!r}"
         )
+    if cfg.data.store != "cache" and not cfg.tasks and spec.data not in LM_OBJECTIVES:
+        raise RecipeError(
+            f"{source}: data.store={cfg.data.store} is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
+            f"not {cfg.objective.name!r}"
+        )
     if cfg.data.batch_tokens is not None and not cfg.tasks and spec.data in LM_OBJECTIVES:
         raise RecipeError(
             f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "

@@ -131,6 +131,11 @@ def check_mixture(cfg: RunConfig, arch: str, source: str) -> None:
                 f"{source}: tasks.{task.name}: data.streaming=true is not offered in a mixture "
                 "(the mixture draws batches from each task's token cache)"
             )
+        if data.store != "cache":
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.store={data.store} is not offered in a mixture "
+                "(the mixture draws batches from each task's token cache)"
+            )
         if data.batch_tokens is not None:
             raise RecipeError(
                 f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "

@@ -111,6 +111,9 @@ def quiet_lightning() -> None:
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # litdata's streaming dataset has a length on purpose (a rank's batches per epoch, for the
+    # progress bar and the epoch's end); Lightning warns about any IterableDataset that has one
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 
 
 def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[Logger]:
