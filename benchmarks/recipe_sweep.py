@@ -9,7 +9,10 @@ principle 14): `--held-out NAME` marks that corpus in the table, so that a row t
 mistake shows. Each cell is one `lit-transformer pretrain RECIPE trainer.max_time=BUDGET` in a
 child process with a fresh run directory (time_to_quality.run_ours: the same command a user runs),
 and reports the final validation's bits per byte (val/bpb of metrics.json) and the optimizer
-steps taken. One token cache per corpus, shared by the recipes that tokenize it alike.
+steps taken. Every recipe validates on the whole validation file (data.max_val_bytes=null
+trainer.limit_val_batches=null come first, before --override: the tiny recipes otherwise cap
+validation at a few batches, and the cells of a row would not measure the same text). One token
+cache per corpus, shared by the recipes that tokenize it alike.
 
 Corpora (from ../shared/data, train / validation files; `stdlib` is the embedded corpus):
   wikitext2   WikiText-2 test.txt / valid.txt (encyclopedic English)
@@ -45,6 +48,7 @@ CORPORA = {
     "tatoeba_de": ("tatoeba_de_en/train.de", "tatoeba_de_en/valid.de"),
     "stdlib": None,  # the embedded corpus: no files
 }
+SAME_VALIDATION = ["data.max_val_bytes=null", "trainer.limit_val_batches=null"]
 
 
 def corpus_overrides(name: str, data_dir: Path) -> list[str]:
@@ -81,7 +85,8 @@ def sweep(args) -> list[dict]:
             workdir = Path(args.out) / f"{Path(recipe).stem}-{label}"
             workdir.mkdir(parents=True, exist_ok=True)
             env = {**os.environ, **QUIET_ENV, "LIT_TRANSFORMER_CACHE": str(Path(args.out) / f"cache-{label}")}
-            cell = run_ours(args.budget, SimpleNamespace(recipe=recipe, override=args.override), data, workdir, env)
+            overrides = [*SAME_VALIDATION, *args.override]
+            cell = run_ours(args.budget, SimpleNamespace(recipe=recipe, override=overrides), data, workdir, env)
             row = {"recipe": recipe, "corpus": label, "held_out": label == args.held_out, **cell}
             rows.append(row)
             print(format_row(row), file=sys.stderr, flush=True)
