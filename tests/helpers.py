@@ -146,6 +146,26 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
+def assert_resume_matches(config, tmp_path: Path, *, stop: int, steps: int) -> tuple[Path, Path]:
+    """Train `config(run_dir, *extra)` whole, and again stopped after `stop` steps then resumed
+    with resume=auto: the resumed run's losses equal the whole run's at every step. Returns the
+    two run directories (whole, parts)."""
+    import pytest
+
+    from lit_transformer.commands.train import train
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(config(whole), progress_bar=False)
+    train(config(parts), callbacks=[StopAt(stop)], progress_bar=False)
+    assert max(losses(parts)) == stop - 1  # Lightning logs step N's loss at N - 1
+    train(config(parts, "resume=auto"), progress_bar=False)
+    expected, got = losses(whole), losses(parts)
+    assert sorted(got) == sorted(expected) == list(range(steps))
+    for step in range(steps):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    return whole, parts
+
+
 FILLER = "the a of to and in is that it for on with as by at from this be or an".split()
 # The label is the keyword's; each keyword has a letter that no filler word has (j, p, z), so
 # that a tiny tokenizer's character-level pieces still give it away.

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import RECIPES, TINY_RUN, StopAt, losses
+from helpers import RECIPES, TINY_RUN, assert_resume_matches
 
 from lit_transformer.data.cache import CacheWriter
 from lit_transformer.data.errors import DataError
@@ -108,24 +108,16 @@ def test_resume_with_workers_continues_in_order(store):
 
 @pytest.mark.slow
 def test_a_store_run_trains_and_resumes_exactly(tmp_path, private_cache, monkeypatch):
-    from lit_transformer.commands.train import train
     from lit_transformer.recipe.load import load_recipe
 
     common = [*TINY_RUN, "data.store=litdata", "trainer.max_steps=6", "trainer.checkpoint_every_n_steps=3"]
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
 
     def config(run_dir, *extra):
         return load_recipe(RECIPES / "tiny-clm.yaml", [*common, f"run.dir={run_dir}", *extra])
 
-    train(config(whole), progress_bar=False)  # writes the store; the runs below reuse it
+    whole, _ = assert_resume_matches(config, tmp_path, stop=3, steps=6)
+    # the first run wrote the store; the stopped and the resumed run reused it
     assert len(list((private_cache / "litdata").glob("*/index.json"))) == 1
-    train(config(parts), callbacks=[StopAt(3)], progress_bar=False)
-    assert max(losses(parts)) == 2
-    train(config(parts, "resume=auto"), progress_bar=False)
-    expected, got = losses(whole), losses(parts)
-    assert sorted(got) == sorted(expected) == list(range(6))
-    for step in range(6):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
     # evaluation reads the validation split from the cache: no litdata, no shards written
     from lit_transformer.commands.inference import evaluate
 

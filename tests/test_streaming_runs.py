@@ -9,10 +9,9 @@ import json
 import math
 
 import pytest
-from helpers import RECIPES, SMALL, VOCAB, StopAt, losses, pretrain_args, run_two_ranks
+from helpers import RECIPES, SMALL, VOCAB, assert_resume_matches, pretrain_args, run_two_ranks
 
 from lit_transformer.commands.cli import main
-from lit_transformer.commands.train import train
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
 
@@ -83,15 +82,7 @@ def test_a_stopped_streaming_run_resumes_exactly(tmp_path, monkeypatch):
     def config(run_dir, *extra):
         return load_recipe(RECIPES / "tiny-mlm.yaml", [*overrides, f"run.dir={run_dir}", "data.num_workers=2", *extra])
 
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(config(whole), progress_bar=False)
-    train(config(parts), callbacks=[StopAt(3)], progress_bar=False)
-    assert max(losses(parts)) == 2
-    train(config(parts, "resume=auto"), progress_bar=False)
-    expected, got = losses(whole), losses(parts)
-    assert sorted(got) == sorted(expected) == list(range(6))
-    for step in range(6):
-        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    assert_resume_matches(config, tmp_path, stop=3, steps=6)
 
 
 # Rank 0 of a 2-process DDP job (Lightning starts rank 1 by running the script again): an
