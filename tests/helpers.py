@@ -203,6 +203,8 @@ def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         HF_HUB_OFFLINE="1",
+        # the scripts import this module's callbacks (StopAt) instead of writing their own
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]),
     )
     result = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout

@@ -80,13 +80,6 @@ class Record(Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
 
 
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 """
 
 _SCRIPT = (
@@ -95,6 +88,7 @@ _SCRIPT = (
 import sys
 
 from lit_transformer.recipe.load import load_recipe
+from helpers import StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
 from lit_transformer.commands.train import train
 
 strategy, out, recipes, common = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])

@@ -63,6 +63,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.commands.train import train
 from lit_transformer.recipe.load import load_recipe
+from helpers import StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
 
 
 class Record(Callback):
@@ -85,15 +86,6 @@ class Record(Callback):
         self.out.mkdir(parents=True, exist_ok=True)
         done = {"rows": self.rows, "validated": self.validated, "step": trainer.global_step}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(done))
-
-
-class StopAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, *args):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 for recipe, overrides, stop, record in json.loads(Path(sys.argv[1]).read_text()):
