@@ -12,6 +12,7 @@ from helpers import RECIPES
 
 from lit_transformer.model.config import TransformerConfig, preset
 from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.recipe.auto import auto_keys
 from lit_transformer.recipe.load import (
     RecipeError,
     RunConfig,
@@ -20,6 +21,7 @@ from lit_transformer.recipe.load import (
     save_config,
     to_dict,
 )
+from lit_transformer.training.autosize import resolve_auto
 
 ALL = sorted(RECIPES.glob("*.yaml"))
 PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer vocabulary)
@@ -64,6 +66,8 @@ def test_every_recipe_loads_and_builds(path):
             source = resolve_source("minilm")
             assert source.kind == "model" and source.tokenizer is not None
         return
+    if auto_keys(cfg):  # sized when the run starts: here at a fixed 100 GFLOP/s, 2 CPU cores' order
+        cfg = resolve_auto(cfg, measure=lambda model, cfg: 100e9, quiet=True)
     model_cfg = model_config(cfg)
     big = "tiny" not in path.stem
     model = LanguageModel.from_config(model_cfg, device="meta" if big else "cpu")

@@ -360,6 +360,12 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = load_recipe(args.recipe, args.overrides)
         if args.print_config:
+            from lit_transformer.recipe.auto import auto_keys
+
+            if auto_keys(cfg) and cfg.finetune.from_ is None:  # as the run would resolve them (it measures)
+                from lit_transformer.training.autosize import resolve_auto
+
+                cfg = resolve_auto(cfg)
             print(to_yaml(cfg), end="")
             return 0
         from lit_transformer.commands import train

@@ -7,6 +7,7 @@ memory per device, tokens, FLOPs and time per step, checkpoint size and the data
 
 from __future__ import annotations
 
+import functools
 import os
 import textwrap
 from collections.abc import Sequence
@@ -23,9 +24,22 @@ from lit_transformer.model.accounting import (
     train_flops,
 )
 from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
+from lit_transformer.recipe.auto import auto_keys
 from lit_transformer.recipe.load import load_recipe, model_config, model_overrides
 
 BF16_BYTES = 2
+
+
+@functools.lru_cache(maxsize=4)
+def resolved_recipe(target: str, overrides: tuple[str, ...]):
+    """load_recipe, with `auto` values resolved as a run would resolve them (recipe/auto.py; this
+    measures the step speed, so once per recipe and overrides)."""
+    recipe = load_recipe(target, overrides)
+    if not auto_keys(recipe):
+        return recipe
+    from lit_transformer.training.autosize import resolve_auto  # torch: only for a recipe with auto values
+
+    return resolve_auto(recipe)
 
 
 def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, str | None, TransformerConfig]:
@@ -40,7 +54,7 @@ def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, 
         if target.endswith((".yaml", ".yml")) or os.sep in target:
             raise RecipeError(f"{target}: no such recipe file")
         raise ConfigError(f"unknown preset {target!r}{closest(target, PRESETS)}; presets: {', '.join(PRESETS)}")
-    recipe = load_recipe(target, overrides)
+    recipe = resolved_recipe(target, tuple(overrides))
     name = os.path.splitext(os.path.basename(target))[0]
     if recipe.finetune.from_ is None:
         return name, recipe.model.preset, model_config(recipe)
@@ -160,7 +174,7 @@ def plan(
     from lit_transformer.recipe.load import longest_input
     from lit_transformer.training import preflight
 
-    recipe = load_recipe(target, overrides)
+    recipe = resolved_recipe(target, tuple(overrides))
     _, _, cfg = load_model_config(target, overrides)
     t, data = recipe.trainer, recipe.data
     length_key, tokens = longest_input(recipe)

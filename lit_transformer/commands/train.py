@@ -34,6 +34,7 @@ from lit_transformer.recipe.load import check_fits, longest_input, model_config,
 from lit_transformer.recipe.mixture import task_data, trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training import preflight
+from lit_transformer.training.autosize import resolve_auto
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
 from lit_transformer.training.checkpoints import (
     ResumeCounters,
@@ -49,10 +50,11 @@ from lit_transformer.training.trainer import build_trainer, finish_wandb
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill what a recipe may leave to its fine-tuning source: the source's tokenizer, and how a
-    decoder reads text (bidirectionally when the source is a mixture that trained that mode)."""
+    """Fill what a recipe leaves to the start of the run: its `auto` values (training.autosize),
+    and what it may leave to its fine-tuning source: the source's tokenizer, and how a decoder
+    reads text (bidirectionally when the source is a mixture that trained that mode)."""
     if cfg.finetune.from_ is None:
-        return cfg
+        return resolve_auto(cfg)
     source = resolve_source(cfg.finetune.from_)
     if cfg.tokenizer.path is None:
         if source.tokenizer is None:

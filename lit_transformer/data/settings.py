@@ -25,6 +25,7 @@ TextFormat = Literal["lines", "paragraphs", "file"]
 Task = Literal["single_label", "multi_label", "regression"]
 TokenizerKind = Literal["bpe", "wordpiece", "unigram"]
 Store = Literal["cache", "litdata"]
+AUTO = "auto"  # a value resolved when the run starts (recipe/auto.py)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class DataConfig:
     document_mask: bool = False
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
     mean_span_length: float = 3.0
-    batch_size: int = 32
+    batch_size: int | str = 32  # "auto": sized from the time budget when the run starts (recipe/auto.py)
     # seq2seq / classify: batches of similar length holding at most this many tokens (examples x
     # the longest source or target) instead of batch_size examples (fairseq's --max-tokens)
     batch_tokens: int | None = None
@@ -99,7 +100,7 @@ class DataConfig:
                 "data.streaming=false (or leave data.store=cache)"
             )
         for name in ("block_size", "max_length", "max_target_length", "batch_size", "max_line_bytes", "shuffle_buffer"):
-            _check_positive(f"data.{name}", getattr(self, name))
+            _check_positive(f"data.{name}", getattr(self, name), auto=name == "batch_size")
         for name in (
             "max_documents",
             "max_train_bytes",
@@ -139,7 +140,7 @@ class DataConfig:
 class TokenizerConfig:
     path: str | None = None  # an existing tokenizer.json; None: train one on the training split
     kind: TokenizerKind = "bpe"  # bpe: GPT-2 byte-level; wordpiece: BERT; unigram: T5
-    vocab_size: int = 8000
+    vocab_size: int | str = 8000  # "auto": sized from the corpus when the run starts (recipe/auto.py)
     min_frequency: int = 2
     num_sentinels: int = 100  # T5 <extra_id_0> ... <extra_id_99>
     lowercase: bool = False  # wordpiece and unigram normalisers
@@ -158,7 +159,7 @@ class TokenizerConfig:
                 )
             if self.extra_special_tokens.count(token) > 1:
                 raise DataError(f"tokenizer.extra_special_tokens: {token!r} is listed twice")
-        _check_positive("tokenizer.vocab_size", self.vocab_size)
+        _check_positive("tokenizer.vocab_size", self.vocab_size, auto=True)
         _check_positive("tokenizer.min_frequency", self.min_frequency)
         if self.num_sentinels < 0:
             raise DataError(f"tokenizer.num_sentinels={self.num_sentinels} must be >= 0")
@@ -185,6 +186,9 @@ def _check_choice(name: str, value, allowed) -> None:
         raise DataError(f"{name}={value!r} is not one of {list(allowed)}{closest(str(value), allowed)}")
 
 
-def _check_positive(name: str, value) -> None:
+def _check_positive(name: str, value, *, auto: bool = False) -> None:
+    """A positive integer (or, with `auto`, the string "auto")."""
+    if auto and value == AUTO:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DataError(f"{name}={value!r} must be a positive integer")
+        raise DataError(f"{name}={value!r} must be a positive integer" + (" or 'auto'" if auto else ""))

@@ -8,7 +8,9 @@ vocabulary (model.vocab_size, else the size of tokenizer.path's tokenizer, else
 tokenizer.vocab_size, the size a trained tokenizer is capped at). It checks it against the
 objective's needs from the registry and writes every field back into the `model` section, so
 the section alone determines the model and config.yaml records it whole. A fine-tuning recipe's
-model section stays a set of overrides on finetune.from's config (`model_overrides`).
+model section stays a set of overrides on finetune.from's config (`model_overrides`). A recipe
+with `auto` values (recipe/auto.py) is checked here on a stand-in model and completed when the
+run starts (training.autosize.resolve_auto).
 
 Every command reads recipes here: pretrain, finetune, prepare and info alike. Nothing here
 imports torch or Lightning.
@@ -31,7 +33,7 @@ from lit_transformer.data.errors import DataError
 from lit_transformer.data.settings import LM_OBJECTIVES
 from lit_transformer.errors import RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
-from lit_transformer.recipe import mixture, registry
+from lit_transformer.recipe import auto, mixture, registry
 from lit_transformer.recipe.entries import build_entry, list_entries, literal_of
 from lit_transformer.recipe.evaluation import EvalConfig, eval_entries
 from lit_transformer.recipe.schema import (
@@ -71,6 +73,7 @@ __all__ = [  # the schema's sections are re-exported: `from lit_transformer.reci
     "all_keys",
     "build_model_config",
     "check_fits",
+    "complete_model",
     "load_recipe",
     "load_suite",
     "longest_input",
@@ -110,10 +113,20 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
             cfg.tokenizer.extra_special_tokens.append(token)
     if cfg.trainer.precision is None:
         cfg.trainer.precision = default_precision(spec.precision, cfg.trainer.accelerator)  # type: ignore[assignment]
-    if cfg.finetune.from_ is None:
-        model = build_model_config(cfg, str(path))
-        check_fits(cfg, model, str(path))
-        cfg.model = ModelSection(preset=cfg.model.preset, **model.to_dict())
+    auto.check(cfg, str(path))
+    if cfg.finetune.from_ is not None:
+        return cfg
+    if auto.auto_keys(cfg):  # resolved when the run starts (training.autosize): checked now on a stand-in
+        check_fits(cfg, build_model_config(auto.stand_in(cfg), str(path)), str(path))
+        return cfg
+    return complete_model(cfg, str(path))
+
+
+def complete_model(cfg: RunConfig, source: str) -> RunConfig:
+    """`cfg` with its model section holding every field of the model it describes, checked."""
+    model = build_model_config(cfg, source)
+    check_fits(cfg, model, source)
+    cfg.model = ModelSection(preset=cfg.model.preset, **model.to_dict())
     return cfg
 
 
@@ -203,13 +216,17 @@ def tokenizer_vocab_size(cfg: RunConfig, source: str = "recipe") -> int:
 
 def model_overrides(cfg: RunConfig) -> dict[str, Any]:
     """The model fields the recipe sets explicitly (None means: keep the preset's or source's value)."""
-    return {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    return {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("preset", "size") and v is not None}
 
 
 def model_config(cfg: RunConfig) -> TransformerConfig:
     """The TransformerConfig a loaded from-scratch recipe describes (its model section is complete)."""
     if cfg.finetune.from_ is not None:
         raise RecipeError("a fine-tuning recipe's model comes from finetune.from: load it with loading.load_backbone")
+    if auto.auto_keys(cfg):
+        raise RecipeError(
+            f"{', '.join(auto.auto_keys(cfg))} = auto: resolved when the run starts (training.autosize.resolve_auto)"
+        )
     return TransformerConfig(**model_overrides(cfg))
 
 

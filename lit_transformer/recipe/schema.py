@@ -58,14 +58,20 @@ def need_positive_int(key: str, value: Any, *, optional: bool = False) -> None:
 # ----------------------------------------------------------------------------- sections
 
 _MODEL_HINTS = typing.get_type_hints(TransformerConfig)
+# model keys that may say "auto" besides model.size (recipe/auto.py)
+_AUTO_MODEL_FIELDS = ("dropout",)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
-    [("preset", str | None, field(default=None))]
-    + [(f.name, _MODEL_HINTS[f.name] | None, field(default=None)) for f in dataclasses.fields(TransformerConfig)],
+    [("preset", str | None, field(default=None)), ("size", str | None, field(default=None))]
+    + [
+        (f.name, _MODEL_HINTS[f.name] | (str if f.name in _AUTO_MODEL_FIELDS else None) | None, field(default=None))
+        for f in dataclasses.fields(TransformerConfig)
+    ],
 )
 ModelSection.__doc__ = (
     "`preset` (a name from lit_transformer.PRESETS) plus any TransformerConfig field as an override; "
-    "None keeps the preset's value. vocab_size defaults to the tokenizer's."
+    "None keeps the preset's value. vocab_size defaults to the tokenizer's. `size: auto` chooses "
+    "the width and depth from the corpus and the budget (recipe/auto.py), as `dropout: auto` does dropout."
 )
 
 
