@@ -23,6 +23,11 @@ Corpora (from ../shared/data, train / validation files; `stdlib` is the embedded
   stdlib      the embedded Python standard library corpus (code and docstrings)
 or NAME=TRAIN:VAL for any two text files.
 
+With --nanogpt PATH (a checkout of github.com/karpathy/nanoGPT; not a dependency), each corpus
+also gets nanoGPT's CPU configuration (time_to_quality.NANOGPT_ARGS: character level, 4 layers,
+128 wide) with its iterations scaled to the budget and the run killed there: its last evaluation
+(20 random batches of the validation file) in bits per byte.
+
 Not part of the test suite; take figures on a quiet machine (one run at a time: each cell trains
 with the recipe's threads for the whole budget).
 """
@@ -37,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from time_to_quality import QUIET_ENV, REPO, run_ours  # noqa: E402
+from time_to_quality import QUIET_ENV, REPO, prepare_nanogpt_data, run_nanogpt, run_ours  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 CORPORA = {
@@ -76,6 +81,39 @@ def corpus_label(name: str) -> str:
     return name.split("=", 1)[0]
 
 
+def corpus_files(name: str, data_dir: Path, out: Path) -> tuple[Path, Path]:
+    """(train, validation) text files of a corpus, for nanoGPT: the embedded corpus's splits are
+    written out once under OUT (the files its training split reads, whole, and its validation)."""
+    overrides = corpus_overrides(name, data_dir)
+    if overrides[0] != "data.train_files=[]":
+        return tuple(Path(o.split("=[", 1)[1].rstrip("]")) for o in overrides)  # type: ignore[return-value]
+    from lit_transformer.data.stdlib import corpus_split
+
+    paths = (out / "stdlib-train.txt", out / "stdlib-valid.txt")
+    for path, split in zip(paths, ("train", "validation")):
+        if not path.is_file():
+            out.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(p.read_text("utf-8", "replace") for _, p in corpus_split(split)), "utf-8")
+    return paths
+
+
+def nanogpt_cell(args, corpus: str, label: str) -> dict:
+    """nanoGPT's CPU configuration on the corpus, iterations scaled to the budget, killed at it;
+    its last evaluation (20 random validation batches, characters) as bits per byte."""
+    train, val = corpus_files(corpus, Path(args.data_dir), Path(args.out))
+    workdir = Path(args.out) / f"nanogpt-{label}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    data = prepare_nanogpt_data(Path(args.nanogpt), train, val)
+    iters = args.nanogpt_max_iters or round(19 * args.budget)
+    result = run_nanogpt(Path(args.nanogpt), [args.budget], data, workdir, 50, None, max_iters=iters)
+    mark = result["marks"][0]
+    row = {"recipe": "nanoGPT (CPU configuration)", "corpus": label, "held_out": label == args.held_out}
+    row.update(bpb=mark.get("bpb"), steps=mark["iters"], wall_s=result["ended_s"], command=result["command"])
+    if result.get("error") or mark.get("bpb") is None:
+        row["error"] = result.get("error", "no evaluation within the budget")
+    return row
+
+
 def sweep(args) -> list[dict]:
     rows = []
     for corpus in args.corpora:
@@ -90,6 +128,9 @@ def sweep(args) -> list[dict]:
             row = {"recipe": recipe, "corpus": label, "held_out": label == args.held_out, **cell}
             rows.append(row)
             print(format_row(row), file=sys.stderr, flush=True)
+        if args.nanogpt:
+            rows.append(nanogpt_cell(args, corpus, label))
+            print(format_row(rows[-1]), file=sys.stderr, flush=True)
     return rows
 
 
@@ -97,7 +138,7 @@ def format_row(row: dict) -> str:
     corpus = row["corpus"] + (" (held out)" if row["held_out"] else "")
     if row.get("error"):
         return f"{row['recipe']:<34} {corpus:<24} error: {row['error'].splitlines()[-1]}"
-    return f"{row['recipe']:<34} {corpus:<24} {row['bpb']:>7.3f} {row['steps'] or 0:>7} {row['wall_s']:>7.1f}"
+    return f"{row['recipe']:<34} {corpus:<24} {row['bpb']:>7.3f} {row['steps'] or 0:>7} {row['wall_s'] or 0:>7.1f}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,6 +150,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra recipe overrides")
     p.add_argument("--data-dir", default=str(DATA), help="where the shared corpora are (default ../shared/data)")
     p.add_argument("--out", default="sweep_runs", help="run directories and token caches")
+    p.add_argument("--nanogpt", help="a nanoGPT checkout: its CPU configuration on each corpus, for the budget")
+    p.add_argument(
+        "--nanogpt-max-iters",
+        type=int,
+        help="nanoGPT's max_iters and lr_decay_iters (default 19 x budget: its pace on 2 cores, to end by the budget)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     args = p.parse_args(argv)
     args.recipes = [r for r in args.recipes.split(",") if r]

@@ -163,3 +163,17 @@ def test_recipe_sweep_corpora_resolve_to_data_overrides(tmp_path):
         recipe_sweep.corpus_overrides("wikitext2", tmp_path)  # tmp_path holds no wikitext2/
     with pytest.raises(SystemExit):
         recipe_sweep.parse_args(["--corpora", "stdlib", "--held-out", "wikitext2"])
+
+
+def test_recipe_sweep_gives_nanogpt_the_corpus_files_and_writes_the_embedded_splits(tmp_path):
+    import recipe_sweep
+
+    (tmp_path / "a.txt").write_text("train\n")
+    (tmp_path / "b.txt").write_text("val\n")
+    own = recipe_sweep.corpus_files(f"mine={tmp_path / 'a.txt'}:{tmp_path / 'b.txt'}", tmp_path, tmp_path / "out")
+    assert own == (tmp_path / "a.txt", tmp_path / "b.txt")
+    train, val = recipe_sweep.corpus_files("stdlib", tmp_path, tmp_path / "out")
+    from lit_transformer.data.stdlib import corpus_split
+
+    first_val = corpus_split("validation")[0][1].read_text("utf-8", "replace")
+    assert val.read_text("utf-8").startswith(first_val) and train.stat().st_size > 10 * val.stat().st_size
