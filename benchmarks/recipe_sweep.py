@@ -42,6 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lit_transformer from this checkout, installed or not
 from time_to_quality import QUIET_ENV, REPO, prepare_nanogpt_data, run_nanogpt, run_ours  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
