@@ -18,14 +18,17 @@ from lightning.pytorch.callbacks import Callback
 from lit_transformer.commands.train import train
 from lit_transformer.model.transformer import Block
 from lit_transformer.objectives import CausalLM, MaskedLM, Seq2SeqLM
+from lit_transformer.objectives import optim as optim_module
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
 from lit_transformer.objectives.optim import (
+    Float32Muon,
     MuonWithAdamW,
     TrainingClock,
     build_optimizer,
     lr_multiplier,
     make_scheduler,
+    newton_schulz,
     parameter_groups,
 )
 from lit_transformer.recipe.load import RecipeError, load_recipe
@@ -285,6 +288,41 @@ def test_muon_takes_exactly_the_block_matrices(arch):
     assert optimizer.param_groups[0] is optimizer.adamw.param_groups[0]
     assert {g["lr"] for g in optimizer.muon.param_groups} == {0.02 * lr_multiplier(0, module.optim, 10)}
     assert {g["momentum"] for g in optimizer.muon.param_groups} == {0.95}
+
+
+def test_float32_muon_is_torchs_muon_with_the_newton_schulz_iteration_in_float32(monkeypatch):
+    """On CPUs without bf16 matrix instructions, torch's bf16 Newton-Schulz is emulated: Float32Muon
+    runs the same iteration in float32. Its updates equal torch's within bfloat16's error, its
+    iteration equals a float64 one within float32's, and the state moves between the two."""
+    torch.manual_seed(0)
+    shapes = [(37, 24), (24, 53)]  # tall and wide: the iteration runs on the wide orientation
+    weights = [torch.randn(*s) for s in shapes]
+    params = {name: [torch.nn.Parameter(w.clone()) for w in weights] for name in ("torch", "ours")}
+    optimizers = {
+        "torch": torch.optim.Muon(params["torch"], lr=0.02, weight_decay=0.01),
+        "ours": Float32Muon(params["ours"], lr=0.02, weight_decay=0.01),
+    }
+    for _ in range(3):
+        grads = [torch.randn(*s) for s in shapes]
+        for name, optimizer in optimizers.items():
+            for p, g in zip(params[name], grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for w, a, b in zip(weights, params["torch"], params["ours"]):
+        moved = (a.detach() - w).abs().max()
+        assert moved > 0.01 and (a.detach() - b.detach()).abs().max() < 0.05 * moved  # bf16 vs float32
+    g = torch.randn(24, 53, dtype=torch.float64)
+    exact = newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert torch.allclose(newton_schulz(g.float(), (3.4445, -4.7750, 2.0315), 5, 1e-7).double(), exact, atol=1e-5)
+    singular = torch.linalg.svdvals(exact)
+    assert singular.min() > 0.3 and singular.max() < 1.5  # roughly orthogonal, as Muon's quintic leaves it
+    # the state of one loads into the other (a checkpoint from a bf16 machine resumes on an AVX2 one)
+    optimizers["ours"].load_state_dict(optimizers["torch"].state_dict())
+    # which one build_optimizer takes: Float32Muon on a CPU without bf16 matrix instructions
+    module = CausalLM(tiny_config(), optim=OptimConfig(optimizer="muon"), max_steps=10)
+    for has_bf16, expected in ((True, torch.optim.Muon), (False, Float32Muon)):
+        monkeypatch.setattr(optim_module, "cpu_has_bf16_matmul", lambda has_bf16=has_bf16: has_bf16)
+        assert type(module.configure_optimizers()["optimizer"].muon) is expected
 
 
 def test_adamw_alone_is_plain_adamw():

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lit_transformer.model.transformer import Block
+from lit_transformer.recipe.load import cpu_has_bf16_matmul
 from lit_transformer.recipe.schema import OptimConfig
 
 
@@ -226,8 +227,56 @@ def build_optimizer(
     for group in muon_groups:
         group["lr"] = optim.muon_lr * group.get("lr_scale", 1.0)
     # nesterov and the Newton-Schulz coefficients and 5 steps: torch's defaults, the speedrun's
-    muon = torch.optim.Muon(muon_groups, lr=optim.muon_lr, weight_decay=0.0, momentum=optim.muon_momentum)
+    on_cpu = all(p.device.type == "cpu" for g in muon_groups for p in g["params"])
+    muon_class = Float32Muon if on_cpu and not cpu_has_bf16_matmul() else torch.optim.Muon
+    muon = muon_class(muon_groups, lr=optim.muon_lr, weight_decay=0.0, momentum=optim.muon_momentum)
     return MuonWithAdamW(adamw, muon)
+
+
+class Float32Muon(torch.optim.Muon):
+    """torch.optim.Muon with the Newton-Schulz iteration in float32. torch runs it in bfloat16,
+    which a CPU without bf16 matrix instructions (AVX2, AVX-512 without AVX512-BF16) emulates
+    many times slower than float32: the optimizer step then outweighs the model's. Same state
+    ("momentum_buffer"), groups and update otherwise, so checkpoints move between the two."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum = float(group["lr"]), group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = newton_schulz(update.float(), group["ns_coefficients"], group["ns_steps"], group["eps"])
+                rows, cols = p.shape[:2]
+                scale = math.sqrt(max(1.0, rows / cols)) if group["adjust_lr_fn"] in (None, "original") else 1.0
+                if group["adjust_lr_fn"] == "match_rms_adamw":
+                    scale = 0.2 * math.sqrt(max(rows, cols))
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-lr * scale)
+        return loss
+
+
+def newton_schulz(grad: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """The quintic Newton-Schulz orthogonalisation of Muon (Jordan et al. 2024), in grad's dtype:
+    X / |X|, then X <- aX + (bA + cA^2)X with A = XX^T, on the wide orientation."""
+    a, b, c = coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.T if tall else grad
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
