@@ -34,7 +34,7 @@ from lit_transformer.recipe.load import check_fits, longest_input, model_config,
 from lit_transformer.recipe.mixture import task_data, trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training import preflight
-from lit_transformer.training.autosize import resolve_auto
+from lit_transformer.training.autosize import cpu_threads, resolve_auto
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
 from lit_transformer.training.checkpoints import (
     ResumeCounters,
@@ -118,18 +118,6 @@ def finetune(cfg: RunConfig, **kwargs: Any) -> dict[str, float]:
     if cfg.finetune.from_ is None and registry.spec(cfg.objective.name).lm_head:  # a task head may start fresh
         raise RunError("finetune needs finetune.from (or objective.name=classify); use pretrain to train from scratch")
     return train(cfg, **kwargs)
-
-
-@contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """torch.set_num_threads(n) for the duration (it is process-wide)."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _train(cfg: RunConfig, callbacks: Sequence[Any], progress_bar: bool) -> dict[str, float]:

@@ -63,7 +63,7 @@ def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
     precision = cfg.trainer.precision or "32-true"
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     generator = torch.Generator().manual_seed(0)
-    with _threads(cfg.trainer.num_threads if device == "cpu" else None):
+    with cpu_threads(cfg.trainer.num_threads if device == "cpu" else None):
         lm = LanguageModel(model.replace(dropout=0.0)).to(device)
         if precision == "bf16-true":
             lm = lm.to(torch.bfloat16)
@@ -91,7 +91,8 @@ def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
 
 
 @contextlib.contextmanager
-def _threads(n: int | None):
+def cpu_threads(n: int | None):
+    """torch.set_num_threads(n) for the duration (it is process-wide)."""
     import torch
 
     before = torch.get_num_threads()
