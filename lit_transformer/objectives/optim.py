@@ -241,10 +241,7 @@ class Float32Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), group["momentum"]
             for p in group["params"]:
@@ -257,13 +254,25 @@ class Float32Muon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
                 update = newton_schulz(update.float(), group["ns_coefficients"], group["ns_steps"], group["eps"])
-                rows, cols = p.shape[:2]
-                scale = math.sqrt(max(1.0, rows / cols)) if group["adjust_lr_fn"] in (None, "original") else 1.0
-                if group["adjust_lr_fn"] == "match_rms_adamw":
-                    scale = 0.2 * math.sqrt(max(rows, cols))
+                scale = muon_lr_scale(group["adjust_lr_fn"], *p.shape[:2])
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update.to(p.dtype), alpha=-lr * scale)
         return loss
+
+
+def muon_lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """torch.optim.Muon's learning-rate adjustment for a rows x cols matrix (its adjust_lr_fn)."""
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw" else 1.0
+
+
+def run_closure(closure) -> Any:
+    """An optimizer step's closure, run with gradients on (torch's optimizers' prologue); None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def newton_schulz(grad: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
@@ -304,10 +313,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.adamw.step()
         self.muon.step()
         return loss

@@ -32,11 +32,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lit_transformer.data.settings import AUTO
 from lit_transformer.errors import RecipeError
 from lit_transformer.model.accounting import non_embedding_parameters, train_flops
 from lit_transformer.model.config import TransformerConfig
 
-AUTO = "auto"
 AUTO_KEYS = ("model.size", "tokenizer.vocab_size", "model.dropout", "data.batch_size")
 AUTO_OBJECTIVES = ("clm", "mlm", "span")  # objectives that read a text corpus of packed blocks
 SHAPE_KEYS = ("d_model", "n_layers", "n_heads", "d_ff", "n_decoder_layers", "head_dim", "n_kv_heads")
@@ -77,13 +77,7 @@ class Budget:
 
 def auto_keys(cfg: Any) -> list[str]:
     """The keys of a loaded RunConfig that say `auto`."""
-    values = {
-        "model.size": cfg.model.size,
-        "tokenizer.vocab_size": cfg.tokenizer.vocab_size,
-        "model.dropout": cfg.model.dropout,
-        "data.batch_size": cfg.data.batch_size,
-    }
-    return [key for key, value in values.items() if value == AUTO]
+    return [key for key in AUTO_KEYS if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) == AUTO]
 
 
 def check(cfg: Any, source: str) -> None:
