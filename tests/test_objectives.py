@@ -543,6 +543,30 @@ def test_classifier_from_backbone_keeps_weights_and_scales_backbone_lr():
     assert not any(n.startswith("backbone.decoder") for n, _ in clf.named_parameters())
 
 
+@pytest.mark.parametrize("arch", ["encoder", "decoder", "encoder_decoder"])
+def test_classifier_layer_lr_decay_scales_each_block_by_depth(arch):
+    """ELECTRA's layer-wise decay: block i of L at ratio x decay^(L - i), the embeddings at
+    ratio x decay^(L + 1), the final norm at ratio, the head at the full lr."""
+    cfg = tiny(arch, n_layers=3)
+    clf = SequenceClassifier(cfg, 2, optim=fast_optim(), backbone_lr_ratio=0.5, layer_lr_decay=0.8)
+    stack = "decoder" if arch == "decoder" else "encoder"
+    lrs = {n: g["lr"] for g in clf.configure_optimizers()["optimizer"].param_groups for n in g["names"]}
+    for name, lr in lrs.items():
+        if name.startswith(f"backbone.{stack}.blocks."):
+            depth = int(name.split(".")[3])
+            expected = 1e-2 * 0.5 * 0.8 ** (3 - depth)
+        elif name.startswith(("backbone.tokens.", f"backbone.{stack}.embed.")):
+            expected = 1e-2 * 0.5 * 0.8**4
+        elif name.startswith("backbone."):
+            expected = 1e-2 * 0.5
+        else:
+            expected = 1e-2
+        assert lr == pytest.approx(expected), name
+    assert lrs[f"backbone.{stack}.blocks.2.ffn.up.weight"] > lrs[f"backbone.{stack}.blocks.0.ffn.up.weight"]
+    with pytest.raises(ValueError, match="layer_lr_decay=1.5"):
+        SequenceClassifier(cfg, 2, layer_lr_decay=1.5)
+
+
 # ----------------------------------------------------------------------------- FSDP2 hook
 
 _FSDP_SCRIPT = r"""

@@ -55,13 +55,15 @@ class SequenceClassifier(ObjectiveBase):
         hidden_layer: bool = True,
         classifier_dropout: float = 0.1,
         backbone_lr_ratio: float = 1.0,
+        layer_lr_decay: float = 1.0,
         attention: Attention = "causal",
         **options: Unpack[ObjectiveOptions],
     ):
         """`model_config`: a config for a freshly initialised backbone, or a Transformer whose
         weights to fine-tune (see `from_backbone`). `pooling` defaults by architecture:
         first ([CLS]) for encoders, last for decoders, mean for an encoder-decoder's encoder.
-        `backbone_lr_ratio` scales the backbone's learning rate relative to the head's.
+        `backbone_lr_ratio` scales the backbone's learning rate relative to the head's;
+        `layer_lr_decay` (in (0, 1]) scales it down further by depth (see `lr_scales`).
         `attention`: how a decoder reads the text: causal, or bidirectional (every row a full
         prefix: UniLM's bidirectional mode, for a decoder pretrained with a mixture that has it);
         encoders are bidirectional and encoder-decoders read with their encoder either way."""
@@ -73,6 +75,8 @@ class SequenceClassifier(ObjectiveBase):
             raise ValueError(f"regression predicts one value: num_labels must be 1, not {num_labels}")
         if not backbone_lr_ratio > 0:
             raise ValueError(f"backbone_lr_ratio={backbone_lr_ratio} must be positive")
+        if not 0 < layer_lr_decay <= 1:
+            raise ValueError(f"layer_lr_decay={layer_lr_decay} is outside (0, 1]")
         if isinstance(model_config, Transformer):
             backbone = model_config
         else:
@@ -92,6 +96,7 @@ class SequenceClassifier(ObjectiveBase):
             "hidden_layer": hidden_layer,
             "classifier_dropout": classifier_dropout,
             "backbone_lr_ratio": backbone_lr_ratio,
+            "layer_lr_decay": layer_lr_decay,
             "attention": attention,
         }
         super().__init__(model_config=cfg, optim=optim, max_steps=max_steps, hparams=hparams, **options)
@@ -103,6 +108,7 @@ class SequenceClassifier(ObjectiveBase):
         )
         init_weights(self.head, cfg)
         self.problem, self.num_labels, self.backbone_lr_ratio = problem, num_labels, backbone_lr_ratio
+        self.layer_lr_decay = layer_lr_decay
         self.bidirectional_decoder = attention == "bidirectional" and cfg.arch == "decoder"
         self.eval_metrics["loss"] = TokenAverage()  # per example
         if problem == "single_label":
@@ -139,6 +145,7 @@ class SequenceClassifier(ObjectiveBase):
             pooling=cfg.finetune.pooling,
             classifier_dropout=cfg.finetune.head_dropout,
             backbone_lr_ratio=cfg.finetune.backbone_lr_ratio,
+            layer_lr_decay=cfg.finetune.layer_lr_decay,
             attention=cfg.finetune.attention or "causal",
             **cls.recipe_options(cfg),
         )
@@ -261,7 +268,23 @@ class SequenceClassifier(ObjectiveBase):
         return {name: float(metric.compute()) for name, metric in self.eval_metrics.items()}
 
     def lr_scales(self) -> dict[str, float]:
-        return {"backbone.": self.backbone_lr_ratio} if self.backbone_lr_ratio != 1.0 else {}
+        """Module-name prefixes to lr factors, most specific first (the first match wins). With
+        layer-wise decay (ELECTRA's layer ids: embeddings 0, block i i + 1, head L + 1), block i
+        of the read stack's L gets ratio x decay^(L - i), the token, position and type
+        embeddings ratio x decay^(L + 1); the rest of the backbone (final norm, T5's shared
+        relative bias) ratio, and the head 1."""
+        ratio, decay = self.backbone_lr_ratio, self.layer_lr_decay
+        scales = {}
+        if decay != 1.0:
+            name = "encoder" if self.backbone.encoder is not None else "decoder"
+            n_layers = len(self.backbone.get_submodule(name).blocks)
+            for i in range(n_layers):
+                scales[f"backbone.{name}.blocks.{i}."] = ratio * decay ** (n_layers - i)
+            bottom = ratio * decay ** (n_layers + 1)
+            scales |= {f"backbone.{name}.embed.": bottom, "backbone.tokens.": bottom}
+        if ratio != 1.0 or scales:
+            scales["backbone."] = ratio
+        return scales
 
     def flops_config(self) -> TransformerConfig:
         cfg = self.model_config

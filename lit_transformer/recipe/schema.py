@@ -273,6 +273,9 @@ class FinetuneConfig:
     from_: str | None = None
     pooling: Pooling | None = None  # None: first for encoders, last for decoders, mean for encoder-decoders
     backbone_lr_ratio: float = 1.0  # backbone lr = optim.lr * ratio; the head gets optim.lr
+    # layer-wise lr decay (ELECTRA, Clark et al. 2020, appendix A): block i of L gets the backbone
+    # lr x decay^(L - i), the embeddings decay^(L + 1), so lower layers move less; 1.0: off
+    layer_lr_decay: float = 1.0
     head_dropout: float = 0.1
     # how a decoder reads the text: causal, or bidirectional (UniLM's bidirectional mode); None:
     # bidirectional when finetune.from is a mixture run that trained a bidirectional (mlm) task
@@ -281,6 +284,7 @@ class FinetuneConfig:
     def __post_init__(self):
         need(self.backbone_lr_ratio > 0, "finetune.backbone_lr_ratio", self.backbone_lr_ratio, "must be positive")
         need(0 <= self.head_dropout < 1, "finetune.head_dropout", self.head_dropout, "is outside [0, 1)")
+        need(0 < self.layer_lr_decay <= 1, "finetune.layer_lr_decay", self.layer_lr_decay, "is outside (0, 1]")
 
 
 @dataclass
