@@ -10,7 +10,7 @@ TREC's 5,452 training questions are split once, by a fixed shuffle, into 4,952 t
 the recipe's `data.test_files`, scored once at the end of each run (`test/accuracy`). Each
 variant is one `lit-transformer finetune RECIPE` in a child process with a fresh run directory
 and the variant's overrides (a variant is `LABEL=KEY=VALUE KEY=VALUE ...`). A row reports the
-final validation and test accuracy, the steps and the wall time of the command.
+final validation and test accuracy and the wall time of the command.
 
 Not part of the test suite; take figures on a quiet machine (one run at a time).
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lit_transformer from this checkout, installed or not
-from time_to_quality import QUIET_ENV, REPO, _steps, _tail  # noqa: E402
+from time_to_quality import QUIET_ENV, REPO, _tail  # noqa: E402
 
 TREC = REPO.parent / "shared" / "data" / "trec"
 VALIDATION_QUESTIONS = 500
@@ -105,17 +105,14 @@ def run_variant(args, label: str, overrides: list[str], files: dict[str, Path]) 
         **row,
         "val_accuracy": metrics.get("val/accuracy"),
         "test_accuracy": metrics.get("test/accuracy"),
-        "steps": _steps(run_dir),
     }
 
 
 def format_row(row: dict) -> str:
     if row.get("error"):
         return f"{row['variant']:<40} error: {row['error'].splitlines()[-1]}"
-    return (
-        f"{row['variant']:<40} {100 * row['val_accuracy']:>7.1f} {100 * row['test_accuracy']:>7.1f}"
-        f" {row['steps'] or 0:>6} {row['wall_s']:>7.1f}"
-    )
+    val, test = 100 * row["val_accuracy"], 100 * row["test_accuracy"]
+    return f"{row['variant']:<40} {val:>7.1f} {test:>7.1f} {row['wall_s']:>7.1f}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -142,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     files = trec_files(Path(args.trec), Path(args.out))
-    print(f"{'variant':<40} {'val %':>7} {'test %':>7} {'steps':>6} {'wall s':>7}", file=sys.stderr)
+    print(f"{'variant':<40} {'val %':>7} {'test %':>7} {'wall s':>7}", file=sys.stderr)
     rows = []
     for variant in args.variant:
         label, _, overrides = variant.partition("=")
