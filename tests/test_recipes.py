@@ -34,8 +34,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "ul2-base": (220, 225),  # Tay et al. 2022 trained T5 sizes; T5-base: 220M
     "unilm-base": (120, 126),  # Dong et al. 2019 used BERT-base's shape: 110M (+ GPT-2's 50k vocabulary)
     "speedrun-clm": (1, 6),  # ours: sized for 5 minutes on 2 CPU cores
-    "tatoeba-translation": (5, 6.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
-    "wmt-news-translation": (5, 6.5),
+    "small-corpus-translation": (5, 6.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
 }
 
 
@@ -100,9 +99,7 @@ def test_paper_recipes_keep_the_papers_settings():
     assert model_config(load_recipe(RECIPES / "llama-style-clm.yaml")).n_kv_heads == 4
 
 
-@pytest.mark.parametrize(
-    "name", ["transformer-base-wmt", "transformer-big-wmt", "tatoeba-translation", "wmt-news-translation"]
-)
+@pytest.mark.parametrize("name", ["transformer-base-wmt", "transformer-big-wmt", "small-corpus-translation"])
 def test_translation_recipes_decode_and_average_as_the_paper(name):
     """Vaswani et al. 2017, 6.1: beam 4, length penalty 0.6, the average of the last 5 checkpoints;
     5.1: batches by token count. The paper's recipes keep its schedule; the CPU ones decay
