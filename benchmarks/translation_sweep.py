@@ -1,7 +1,7 @@
 """A translation recipe over several parallel corpora with one time budget: issue #25's protocol
 for translation (the table in docs/translation.md).
 
-    python benchmarks/translation_sweep.py --recipes recipes/small-translation.yaml \
+    python benchmarks/translation_sweep.py --recipes recipes/small-corpus-translation.yaml \
         --corpora tatoeba_de_en,tatoeba_en_de,news_short_de_en --held-out news_short_de_en [--json]
     python benchmarks/translation_sweep.py --corpora tatoeba_de_en --budget 390 --split valid \
         --override optim.optimizer=muon
@@ -144,7 +144,7 @@ def format_row(row: dict) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipes", default="recipes/small-translation.yaml", help="comma-separated recipe files")
+    p.add_argument("--recipes", default="recipes/small-corpus-translation.yaml", help="comma-separated recipe files")
     p.add_argument("--corpora", default="tatoeba_de_en", help="comma-separated corpus names (see above)")
     p.add_argument("--held-out", help="the corpus that took no part in tuning (marked in the table)")
     p.add_argument("--budget", type=float, help="training seconds per run (default: each recipe's trainer.max_time)")
