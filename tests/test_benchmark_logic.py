@@ -177,3 +177,57 @@ def test_recipe_sweep_gives_nanogpt_the_corpus_files_and_writes_the_embedded_spl
 
     first_val = corpus_split("validation")[0][1].read_text("utf-8", "replace")
     assert val.read_text("utf-8").startswith(first_val) and train.stat().st_size > 10 * val.stat().st_size
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def test_classify_sweep_builds_trec_and_genre_tasks_with_disjoint_balanced_splits(tmp_path, monkeypatch):
+    import classify_sweep
+
+    data = tmp_path / "data"
+    trec = [f"{'HUM:ind' if i % 2 else 'LOC:city'} Question number {i} ?" for i in range(600)]
+    _write_lines(data / "trec" / "train_5500.label", trec)
+    _write_lines(data / "trec" / "TREC_10.label", trec[:10])
+    coarse = classify_sweep.trec_rows(data / "trec", fine=False)
+    fine = classify_sweep.trec_rows(data / "trec", fine=True)
+    assert {label for _, label in coarse["train"]} == {"HUM", "LOC"}
+    assert {label for _, label in fine["train"]} == {"HUM:ind", "LOC:city"}
+    assert (len(coarse["train"]), len(coarse["valid"]), len(coarse["test"])) == (100, 500, 10)
+
+    words = " ".join(f"w{i}" for i in range(8))
+    shared = [f"Also in the test file {i} {words}." for i in range(20)]  # must only ever test
+    for split in ("train", "valid", "test"):
+        tatoeba = [f"Tatoeba {split} {i} {words}." for i in range(16 if split == "train" else 30)]
+        _write_lines(data / "tatoeba_de_en" / f"{split}.en", tatoeba + (shared if split != "valid" else []))
+        _write_lines(data / "wmt_news_de_en" / f"{split}.en", [f"News {split} {i} {words}." for i in range(30)])
+    wiki = [" = Heading = "] + [
+        f"In {split} the state @-@ of @-@ the @-@ art cost 1 @,@ {i:03d} dollars , said {'he' if i % 3 else '<unk>'} . "
+        f"Wiki {split} {i} {words} ."
+        for split in ("train", "test")
+        for i in range(40)
+    ]
+    _write_lines(data / "wikitext2" / "test.txt", wiki[:41])
+    _write_lines(data / "wikitext2" / "valid.txt", [wiki[0]] + wiki[41:])
+    monkeypatch.setattr(classify_sweep, "GENRE_SENTENCES", {"train": 12, "valid": 4, "test": 5})
+    rows = classify_sweep.genre_rows(data)
+    for split, count in (("train", 12), ("valid", 4), ("test", 5)):
+        labels = [label for _, label in rows[split]]
+        assert {label: labels.count(label) for label in labels} == {"tatoeba": count, "news": count, "wikipedia": count}
+    texts = {split: {text for text, _ in split_rows} for split, split_rows in rows.items()}
+    assert not (texts["train"] & texts["valid"] or texts["train"] & texts["test"] or texts["valid"] & texts["test"])
+    wiki_texts = [text for split_rows in rows.values() for text, label in split_rows if label == "wikipedia"]
+    assert all("@" not in text and " ," not in text and "<unk>" not in text and "=" not in text for text in wiki_texts)
+    assert any(
+        text.startswith("In train the state-of-the-art cost 1,0") and text.endswith("said he.") for text in wiki_texts
+    )
+    assert all(" test " in f" {text} " for text, _ in rows["test"])  # test sentences come from the test files
+    assert all(" train " in f" {text} " for split in ("train", "valid") for text, _ in rows[split])
+
+    with pytest.raises(SystemExit, match="no such file"):
+        classify_sweep.genre_rows(tmp_path / "nowhere")
+    monkeypatch.setattr(classify_sweep, "GENRE_SENTENCES", {"train": 100, "valid": 4, "test": 5})
+    with pytest.raises(SystemExit, match="too few tatoeba sentences"):
+        classify_sweep.genre_rows(data)
