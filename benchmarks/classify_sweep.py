@@ -40,9 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lit_transformer from this checkout, installed or not
-from time_to_quality import QUIET_ENV, REPO, _tail  # noqa: E402
+from time_to_quality import DATA, QUIET_ENV, REPO, _tail  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
 TASKS = ("trec", "trec_fine", "genre")
 VALIDATION_QUESTIONS = 500
 GENRE_SENTENCES = {"train": 1650, "valid": 167, "test": 167}  # of each class

@@ -43,9 +43,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lit_transformer from this checkout, installed or not
-from time_to_quality import QUIET_ENV, REPO, prepare_nanogpt_data, run_nanogpt, run_ours  # noqa: E402
+from time_to_quality import DATA, QUIET_ENV, prepare_nanogpt_data, run_nanogpt, run_ours  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
 CORPORA = {
     "wikitext2": ("wikitext2/test.txt", "wikitext2/valid.txt"),
     "wmt_en": ("wmt_news_de_en/train.en", "wmt_news_de_en/valid.en"),

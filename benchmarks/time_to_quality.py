@@ -72,7 +72,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tiny-clm.yaml"
-WIKITEXT = REPO / ".." / "shared" / "data" / "wikitext2"
+DATA = REPO.parent / "shared" / "data"  # the shared corpora the sweeps measure on
+WIKITEXT = DATA / "wikitext2"
 NANOGPT_DATASET = "lit_time_to_quality"
 # nanoGPT README's "I only have a macbook" configuration (CPU, no compile, small model)
 NANOGPT_ARGS = [

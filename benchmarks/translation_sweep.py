@@ -38,9 +38,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lit_transformer from this checkout, installed or not
-from time_to_quality import QUIET_ENV, REPO, _tail, run_ours  # noqa: E402
+from time_to_quality import DATA, QUIET_ENV, _tail, run_ours  # noqa: E402
 
-DATA = REPO.parent / "shared" / "data"
 CORPORA = {  # name: (folder, source language, target language, most words a side or None)
     "tatoeba_de_en": ("tatoeba_de_en", "de", "en", None),
     "tatoeba_en_de": ("tatoeba_de_en", "en", "de", None),
