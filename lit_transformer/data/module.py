@@ -27,6 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_transformer.data.block_warmup import cut_rows, warmup_row_length
 from lit_transformer.data.cache import cache_lock, cache_root
 from lit_transformer.data.collate import (
     ClassifyCollator,
@@ -40,7 +41,13 @@ from lit_transformer.data.errors import DataError
 from lit_transformer.data.pack import LMBlocks, RaggedExamples
 from lit_transformer.data.prepare import Prepared, block_params, build, write_run_files
 from lit_transformer.data.sampler import ResumableBatchSampler, TokenBatchSampler
-from lit_transformer.data.settings import LM_OBJECTIVES, DataConfig, TokenizerConfig, check_objective
+from lit_transformer.data.settings import (
+    BLOCK_WARMUP_OBJECTIVES,
+    LM_OBJECTIVES,
+    DataConfig,
+    TokenizerConfig,
+    check_objective,
+)
 from lit_transformer.data.span import SpanCorruptionCollator
 from lit_transformer.data.streaming import STATE_KEY, StreamingBlocks, estimate_bytes_per_token
 
@@ -164,6 +171,11 @@ class TextDataModule(RankedDataModule):
                 f"data.batch_tokens is for seq2seq and classify; {objective!r} trains on packed blocks "
                 "of data.block_size tokens: set data.batch_size"
             )
+        if data.block_warmup_steps and self.objective not in BLOCK_WARMUP_OBJECTIVES:
+            raise DataError(
+                f"data.block_warmup_steps cuts packed blocks into shorter rows: it applies to objective in "
+                f"{list(BLOCK_WARMUP_OBJECTIVES)}, not {objective!r} (set data.block_warmup_steps=0)"
+            )
         self.seed, self.run_dir, self.model_vocab_size = seed, run_dir, model_vocab_size
         self._rank, self._world = rank, world_size
         self._prepared: Prepared | None = None
@@ -241,6 +253,18 @@ class TextDataModule(RankedDataModule):
             self._consumed += 1
         if isinstance(batch, dict) and STATE_KEY in batch:  # a training stream's position, not for the model
             self._train_stream.note(batch.pop(STATE_KEY))
+        return batch
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        # sequence-length warmup: training batches only, by the optimizer step about to be taken
+        if self.data.block_warmup_steps and self.trainer is not None and self.trainer.training:
+            length = warmup_row_length(
+                self.trainer.global_step,
+                block_size=self.data.block_size,
+                start=self.data.block_warmup_start,
+                steps=self.data.block_warmup_steps,
+            )
+            batch = cut_rows(batch, length)
         return batch
 
     # ------------------------------------------------------------------ what training needs

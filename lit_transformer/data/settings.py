@@ -19,6 +19,7 @@ from lit_transformer.errors import closest
 Objective = Literal["mlm", "clm", "span", "seq2seq", "classify"]
 OBJECTIVES = get_args(Objective)
 LM_OBJECTIVES = ("mlm", "clm", "span")
+BLOCK_WARMUP_OBJECTIVES = ("clm", "mlm")  # batches of packed (B, T) rows, one token per position (block_warmup.py)
 
 Format = Literal["auto", "text", "jsonl", "json", "csv", "tsv", "parquet"]
 TextFormat = Literal["lines", "paragraphs", "file"]
@@ -74,6 +75,12 @@ class DataConfig:
     # mlm / clm on packed blocks: a token attends only within its own document, and positions
     # restart at each document start (the collator sends document_ids and position_ids)
     document_mask: bool = False
+    # clm / mlm: sequence-length warmup (block_warmup.py). For the first block_warmup_steps
+    # optimizer steps every packed block is cut into rows of block_warmup_start tokens, doubling
+    # in equal stages up to block_size: a step keeps its tokens while the attention is cheaper and
+    # the context shorter. 0: off. block_size / block_warmup_start must be a power of two
+    block_warmup_steps: int = 0
+    block_warmup_start: int = 32
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
     mean_span_length: float = 3.0
     batch_size: int | str = 32  # "auto": sized from the time budget when the run starts (recipe/auto.py)
@@ -111,6 +118,7 @@ class DataConfig:
         ):
             if getattr(self, name) is not None:
                 _check_positive(f"data.{name}", getattr(self, name))
+        self._check_block_warmup()
         if self.num_workers < 0:
             raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
         for name in ("val_fraction", "mlm_probability", "mask_replace_prob", "random_replace_prob", "noise_density"):
@@ -133,6 +141,18 @@ class DataConfig:
             raise DataError(
                 f"data.val_source_files has {len(self.val_source_files)} entries but "
                 f"data.val_target_files has {len(self.val_target_files)}"
+            )
+
+    def _check_block_warmup(self) -> None:
+        steps, start = self.block_warmup_steps, self.block_warmup_start
+        if not isinstance(steps, int) or steps < 0:
+            raise DataError(f"data.block_warmup_steps={steps!r} must be an integer >= 0 (0: off)")
+        _check_positive("data.block_warmup_start", start)
+        ratio = self.block_size // start
+        if steps and (start >= self.block_size or self.block_size % start or ratio & (ratio - 1)):
+            raise DataError(
+                f"data.block_warmup_start={start} must be data.block_size={self.block_size} divided by a "
+                "power of two (2, 4, 8, ...): blocks are cut into rows of that length"
             )
 
 

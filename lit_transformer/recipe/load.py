@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
 from lit_transformer.data.errors import DataError
-from lit_transformer.data.settings import LM_OBJECTIVES
+from lit_transformer.data.settings import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES
 from lit_transformer.errors import RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
 from lit_transformer.recipe import auto, mixture, registry
@@ -270,6 +270,12 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
         raise RecipeError(
             f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "
             f"{cfg.objective.name!r} trains on packed blocks of data.block_size tokens: set data.batch_size"
+        )
+    if cfg.data.block_warmup_steps and (cfg.tasks or cfg.objective.name not in BLOCK_WARMUP_OBJECTIVES):
+        raise RecipeError(
+            f"{source}: data.block_warmup_steps cuts packed blocks into shorter rows: it applies to "
+            f"objective.name in {list(BLOCK_WARMUP_OBJECTIVES)} without tasks, not "
+            f"{'a mixture' if cfg.tasks else repr(cfg.objective.name)}"
         )
     if cfg.data.document_mask and model.attention_kind == "linear":
         raise RecipeError(

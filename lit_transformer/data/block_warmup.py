@@ -1,0 +1,45 @@
+"""Sequence-length warmup for packed LM blocks (data.block_warmup_steps).
+
+Li, Zhang and He 2022 ("The Stability-Efficiency Dilemma: Investigating Sequence Length Warmup
+for Training GPT Models") train the first steps on short sequences, which they get by truncating
+and so dropping tokens. Here a packed block is cut into shorter rows instead: a (B, T) batch
+becomes (B * T / t, t), every token is still trained on, a step holds the same tokens, and only
+the context a token sees and the attention's cost shrink. The length is a function of the
+optimizer step alone, so a resumed run repeats it exactly, on any number of ranks.
+
+Shape legend: B batch, T block length, t warmup row length, k = T / t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# per-token tensors of a packed LM batch (collate.py); they are cut along with the tokens
+ROW_KEYS = ("input_ids", "attention_mask", "labels", "document_ids", "position_ids")
+
+
+def warmup_row_length(step: int, *, block_size: int, start: int, steps: int) -> int:
+    """Row length at optimizer step `step`: start, 2 start, ..., block_size / 2 in equal stages
+    over the first `steps` steps, then block_size. block_size / start is a power of two
+    (DataConfig checks it)."""
+    if step >= steps:
+        return block_size
+    stages = (block_size // start).bit_length() - 1  # the shorter lengths: start ... block_size / 2
+    return start << (step * stages // steps)
+
+
+def cut_rows(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """Each (B, T) row of the batch cut into T / length rows of `length` tokens, in order, and
+    rows without a real token (the padded tail of the last block) dropped: they would train
+    nothing, and a row whose attention sees no key gives NaN."""
+    B, T = batch["input_ids"].shape
+    if length >= T:
+        return batch
+    if T % length:
+        raise ValueError(f"a block of {T} tokens cannot be cut into rows of {length}")
+    cut = {key: value.reshape(B * (T // length), length) for key, value in batch.items() if key in ROW_KEYS}
+    if "attention_mask" in cut:  # (B k, t)
+        keep = cut["attention_mask"].any(dim=1)
+        if not bool(keep.all()):
+            cut = {key: value[keep] for key, value in cut.items()}
+    return {**batch, **cut}
