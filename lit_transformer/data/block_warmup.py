@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import torch
 
-# per-token tensors of a packed LM batch (collate.py); they are cut along with the tokens
-ROW_KEYS = ("input_ids", "attention_mask", "labels", "document_ids", "position_ids")
-
 
 def warmup_row_length(step: int, *, block_size: int, start: int, steps: int) -> int:
     """Row length at optimizer step `step`: start, 2 start, ..., block_size / 2 in equal stages
@@ -31,13 +28,14 @@ def warmup_row_length(step: int, *, block_size: int, start: int, steps: int) -> 
 def cut_rows(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
     """Each (B, T) row of the batch cut into T / length rows of `length` tokens, in order, and
     rows without a real token (the padded tail of the last block) dropped: they would train
-    nothing, and a row whose attention sees no key gives NaN."""
+    nothing, and a row whose attention sees no key gives NaN. Every (B, T) tensor is cut (ids,
+    mask, labels, document ids, positions: whatever the collator sent per token)."""
     B, T = batch["input_ids"].shape
     if length >= T:
         return batch
     if T % length:
         raise ValueError(f"a block of {T} tokens cannot be cut into rows of {length}")
-    cut = {key: value.reshape(B * (T // length), length) for key, value in batch.items() if key in ROW_KEYS}
+    cut = {key: value.reshape(B * (T // length), length) for key, value in batch.items() if value.shape == (B, T)}
     if "attention_mask" in cut:  # (B k, t)
         keep = cut["attention_mask"].any(dim=1)
         if not bool(keep.all()):
