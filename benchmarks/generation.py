@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help=f"timed ours/transformers pairs per cell (default {DEFAULTS['rounds']})")
     p.add_argument("--layers", type=int, help="layers per stack for every shape (default: see the shapes)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--no-cuda-graph", dest="cuda_graph", action="store_false", help="ours without CUDA graphs (the eager step)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON to PATH (stdout without PATH)")
     args = p.parse_args(argv)
@@ -149,7 +152,7 @@ def build_pair(shape: str, cfg: TransformerConfig, device: str):
     return ours, theirs
 
 
-def decoders(shape: str, ours, theirs, prompt: torch.Tensor, beams: int):
+def decoders(shape: str, ours, theirs, prompt: torch.Tensor, beams: int, cuda_graph: bool = True):
     """Two functions of the number of new tokens, each returning the new tokens (B, G)."""
     P = prompt.shape[1]
     skip = 1 if shape == "t5" else P  # T5 returns the decoder start token first, GPT-2 the prompt
@@ -157,7 +160,16 @@ def decoders(shape: str, ours, theirs, prompt: torch.Tensor, beams: int):
     ones = torch.ones_like(prompt)
 
     def run_ours(n: int) -> torch.Tensor:
-        out = generate(ours, prompt, max_new_tokens=n, num_beams=beams, eos_token_id=None, pad_token_id=0, **start)
+        out = generate(
+            ours,
+            prompt,
+            max_new_tokens=n,
+            num_beams=beams,
+            eos_token_id=None,
+            pad_token_id=0,
+            cuda_graph=cuda_graph,
+            **start,
+        )
         return out[:, skip:]
 
     @torch.inference_mode()
@@ -194,7 +206,7 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
     beams, N, device = MODES[mode], args.new_tokens, args.device
     g = torch.Generator().manual_seed(batch)
     prompt = torch.randint(5, ours.config.vocab_size, (batch, args.prompt_length), generator=g).to(device)
-    run_ours, run_theirs = decoders(shape, ours, theirs, prompt, beams)
+    run_ours, run_theirs = decoders(shape, ours, theirs, prompt, beams, args.cuda_graph)
     run_ours(min(WARMUP_TOKENS, N)), run_theirs(min(WARMUP_TOKENS, N))
     times = {"ours": [], "theirs": []}
     for _ in range(args.rounds):  # alternating: a pair shares the machine's background load
@@ -280,6 +292,7 @@ def main(argv=None) -> dict:
         "new_tokens": args.new_tokens,
         "prompt_length": args.prompt_length,
         "rounds": args.rounds,
+        "cuda_graph": args.cuda_graph and cuda,
         "memory_bandwidth_bytes_per_s": max(bandwidth),
         "memory_bandwidth_measurements": bandwidth,
         "models": {},

@@ -351,21 +351,58 @@ def check_kv_decoding(ctx: Context) -> dict:
     uncached = generate(model, prompt, max_new_tokens=8, eos_token_id=None, use_cache=False)
     agreement = float((cached == uncached).float().mean())
     need(agreement == 1.0, f"float32 greedy tokens with and without the KV cache differ ({agreement:.2%} agree)")
+    numbers = {"layers": layers, "new_tokens": new}
+    if ctx.cuda:  # the CUDA-graph step (model/graph_step.py) against the eager step
+        numbers |= graph_against_eager(model, prompt)
+        need(numbers["graph_agreement_float32"] == 1.0, "float32 greedy tokens with and without CUDA graphs differ")
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     model = model.to(dtype)
-    numbers = {"layers": layers, "dtype": str(dtype).replace("torch.", ""), "new_tokens": new}
+    numbers["dtype"] = str(dtype).replace("torch.", "")
     for batch in (1, 8):
         prompt = torch.randint(5, cfg.vocab_size, (batch, 16), generator=g).to(ctx.device)
-        generate(model, prompt, max_new_tokens=4, eos_token_id=None)  # warm-up: kernels, allocator
-        common.sync(ctx.device)
-        start = time.perf_counter()
-        out = generate(model, prompt, max_new_tokens=new, eos_token_id=None)
-        common.sync(ctx.device)
-        need(out.shape == (batch, 16 + new), f"batch {batch}: output {tuple(out.shape)}")
-        numbers[f"tokens_per_s_batch{batch}"] = batch * new / (time.perf_counter() - start)
+        for graph in (True, False) if ctx.cuda else (False,):
+            suffix = "" if graph or not ctx.cuda else "_eager"
+            generate(model, prompt, max_new_tokens=4, eos_token_id=None, cuda_graph=graph)  # warm-up
+            common.sync(ctx.device)
+            start = time.perf_counter()
+            out = generate(model, prompt, max_new_tokens=new, eos_token_id=None, cuda_graph=graph)
+            common.sync(ctx.device)
+            need(out.shape == (batch, 16 + new), f"batch {batch}: output {tuple(out.shape)}")
+            numbers[f"tokens_per_s_batch{batch}{suffix}"] = batch * new / (time.perf_counter() - start)
     rates = f"{numbers['tokens_per_s_batch1']:.0f} / {numbers['tokens_per_s_batch8']:.0f} tok/s"
+    if ctx.cuda:
+        rates += f" (eager {numbers['tokens_per_s_batch1_eager']:.0f} / {numbers['tokens_per_s_batch8_eager']:.0f})"
+        rates += f"; graph = eager logits within {numbers['graph_logits_max_diff_float32']:.1e}"
     detail = f"GPT-2 small shape, {layers} layers, {numbers['dtype']}, greedy, {new} tokens: B=1 / B=8 {rates}"
     return {"detail": detail, **numbers}
+
+
+def graph_against_eager(model, prompt: torch.Tensor) -> dict:
+    """Greedy tokens and step logits of the CUDA-graph step against the eager one, float32 and
+    bfloat16: the graph replays the fixed-shape step, whose logits the tests compare on CPU."""
+    from lit_transformer.model.generate import StepDecoder, generate
+
+    numbers = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).replace("torch.", "")
+        model = model.to(dtype)
+        graph, eager = (
+            generate(model, prompt, max_new_tokens=24, eos_token_id=None, cuda_graph=g) for g in (True, False)
+        )
+        numbers[f"graph_agreement_{name}"] = float((graph == eager).float().mean())
+        with torch.inference_mode():
+            steps = [StepDecoder(model, prompt, max_new_tokens=12, cuda_graph=g) for g in (True, False)]
+            need(steps[0].graph_step is not None, "the CUDA-graph step was not taken")
+            worst = 0.0
+            for _ in range(12):
+                with_graph, without = (s.next_logits().clone() for s in steps)
+                worst = max(worst, float((with_graph - without).abs().max()))
+                for s in steps:
+                    s.append(without.argmax(-1))
+            need(steps[0].graph_step.graph is not None, "no CUDA graph was captured")
+        numbers[f"graph_logits_max_diff_{name}"] = worst
+    model.to(torch.float32)
+    return numbers
 
 
 def check_peak_memory(ctx: Context) -> dict:

@@ -151,11 +151,19 @@ class KVCache:
         self.cross: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.length = 0  # tokens cached so far
         self.capacity = capacity
+        # Fixed-shape steps (graph_step.py): one new token written at this device index (1,),
+        # and attention over all M slots, so that every step has the same shapes and a CUDA
+        # graph can replay it. Slots not yet written are False in key_mask, so they stay unseen.
+        self.write_at: torch.Tensor | None = None
 
     def record(self, new_mask: torch.Tensor, new_positions: torch.Tensor):
         """Record T new tokens' padding mask and positions (B, T) after the cached ones; return
         the key index (None: keys 0..S-1 in order), key mask (B, S) and key positions (B, S) that
-        the layers' attention will see, S = length + T."""
+        the layers' attention will see, S = length + T (S = M in a fixed-shape step)."""
+        if self.write_at is not None:
+            self.key_mask.index_copy_(1, self.write_at, new_mask)
+            self.positions.index_copy_(1, self.write_at, new_positions)
+            return None, self.key_mask, self.positions
         start, end = self.length, self.length + new_mask.shape[1]
         self.key_mask[:, start:end] = new_mask
         self.positions[:, start:end] = new_positions
@@ -163,7 +171,12 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new tokens' k, v (B, K, T, D) after the cached ones; return every cached
-        key and value of the layer, the new ones included: (B, K, S, D), S = length + T."""
+        key and value of the layer, the new ones included: (B, K, S, D), S = length + T (S = M in a
+        fixed-shape step)."""
+        if self.write_at is not None:
+            self.keys[layer].index_copy_(2, self.write_at, k.to(self.keys.dtype))
+            self.values[layer].index_copy_(2, self.write_at, v.to(self.values.dtype))
+            return self.keys[layer], self.values[layer]
         start, end = self.length, self.length + k.shape[2]
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v

@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from lit_transformer.model.graph_step import FixedShapeStep, graph_step_supported
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.model.packed_linear import packed_linears
 
@@ -46,6 +47,9 @@ class GenerationConfig:
     use_cache: bool = True
     # decoder-only: the prompt attends bidirectionally (UniLM / prefix LM), the new tokens causally
     bidirectional_prompt: bool = False
+    # On a CUDA device, greedy and sampled decoding replay the single-token step as a CUDA graph
+    # (graph_step.py): a small model's step is bound by launching its kernels from the host.
+    cuda_graph: bool = True
 
     def __post_init__(self):
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -143,7 +147,10 @@ class StepDecoder:
         decoder_start_token_id: int | None = None,
         expand: int = 1,
         bidirectional_prompt: bool = False,
+        cuda_graph: bool = False,
     ):
+        """cuda_graph: on a CUDA device, run the single-token steps as a CUDA graph where the
+        model allows it (graph_step.py), else as usual; `reorder` goes back to the usual step."""
         cfg = model.config
         if cfg.arch == "encoder":
             raise ValueError(
@@ -214,6 +221,9 @@ class StepDecoder:
         self.prefix_lengths = None
         if bidirectional_prompt and cfg.arch == "decoder":
             self.prefix_lengths = torch.full((B * expand,), T, dtype=torch.long, device=device)  # (R,)
+        self.graph_step = None
+        if cuda_graph and device.type == "cuda" and graph_step_supported(self) is None:
+            self.graph_step = FixedShapeStep(self, capture=True)
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -224,6 +234,8 @@ class StepDecoder:
         the tokens not yet cached go through the model (the prompt first, then one per step).
         For a 16-bit model the tensor is reused by the next call: use it before calling again."""
         start = self.cache.length if self.cache is not None else 0
+        if self.graph_step is not None and start > 0 and self.length == start + 1:
+            return self.graph_step()
         ids = self.ids[:, start : self.length]
         mask = positions = None
         if self.arch == "decoder":
@@ -260,6 +272,7 @@ class StepDecoder:
         reorder that keeps every group moves rows only among beams of one prompt, whose
         encoder memory is identical, so memory and the cross-attention cache stay as they are."""
         same_groups = index.numel() == self.ids.shape[0]
+        self.graph_step = None  # the rows move to new tensors, which a captured graph does not read
         self.ids = self.ids.index_select(0, index)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
@@ -291,6 +304,7 @@ def generate(
     decoder_start_token_id: int | None = None,
     use_cache: bool = True,
     bidirectional_prompt: bool = False,
+    cuda_graph: bool = True,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Continue the prompts input_ids (B, T) (padding marked 0 in attention_mask, either side).
@@ -318,6 +332,7 @@ def generate(
         decoder_start_token_id=decoder_start_token_id,
         use_cache=use_cache,
         bidirectional_prompt=bidirectional_prompt,
+        cuda_graph=cuda_graph,
     )
     return generate_with(model, input_ids, attention_mask, config, generator=generator)
 
@@ -347,6 +362,7 @@ def generate_with(
                 decoder_start_token_id=config.decoder_start_token_id,
                 expand=config.num_beams,
                 bidirectional_prompt=config.bidirectional_prompt,
+                cuda_graph=config.cuda_graph and config.num_beams == 1,
             )
             if config.num_beams > 1:
                 return beam_search(decoder, config)

@@ -65,7 +65,10 @@ class Embeddings(nn.Module):
             # Without token types every token has type 0: add that one row to all (no (B, T) lookup).
             x = x + (self.token_types(token_type_ids) if token_type_ids is not None else self.token_types.weight[0])
         if self.positions is not None:
-            largest = int(positions.max()) if max_position is None else max_position
+            # While a CUDA graph is captured nothing may wait for the device; the decoder that
+            # captures it (graph_step.py) checked the positions it will use when it started.
+            capturing = max_position is None and positions.is_cuda and torch.cuda.is_current_stream_capturing()
+            largest = -1 if capturing else int(positions.max()) if max_position is None else max_position
             if largest >= self.positions.num_embeddings:
                 raise ValueError(
                     f"position {largest} is past model.max_seq_len={self.positions.num_embeddings} (learned positions)"
@@ -301,6 +304,12 @@ class Stack(nn.Module):
                 position_bias = self.relative_bias(q_pos, k_pos)  # (B|1, H, T, S)
             else:
                 position_bias = alibi_bias(q_pos, k_pos, self.cfg.n_heads)
+        if cache is not None and cache.write_at is not None:
+            # A fixed-shape step (graph_step.py): one new token over all M slots. It may see every
+            # slot written so far (a prefix included) and the unwritten ones are False in the key
+            # mask, so the key mask alone is its mask.
+            bias = _padding_bias(key_mask, dtype)  # (B, 1, 1, M)
+            return (bias if position_bias is None else bias + position_bias.to(dtype)), False, k_positions
         if key_mask is None and position_bias is None and past == 0 and prefix_lengths is None:
             return None, self.causal, k_positions  # fused path: no bias tensor at all
         S = past + T

@@ -1,0 +1,101 @@
+"""The fixed-shape decoding step (model/graph_step.py), which a CUDA graph replays on a GPU:
+run eagerly on CPU it must give the logits of the usual step at every step, for every kind of
+position, padding, GQA, QK-norm, a bidirectional prompt and encoder-decoders. The captured graph
+itself needs CUDA: `benchmarks/gpu_check.py` (kv_decoding) compares it with the eager step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import seeded_model
+from test_generate import CONFIGS, V, prompts
+
+from lit_transformer.model import preset
+from lit_transformer.model.generate import StepDecoder, generate
+from lit_transformer.model.graph_step import FixedShapeStep, graph_step_supported
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QK_NORM = {
+    "qk_norm": lambda: preset(
+        "tinyllama-1.1b", vocab_size=V, d_model=48, n_heads=6, n_kv_heads=3, n_layers=2, d_ff=74, qk_norm=True
+    ),
+}
+
+
+def fed_the_same(model, decoders: list[StepDecoder], steps: int) -> None:
+    """Feed every decoder the same random continuation and compare their logits at each step."""
+    tokens = torch.randint(1, V, (decoders[0].ids.shape[0], steps), generator=torch.Generator().manual_seed(3))
+    for column in range(steps):
+        reference, *others = (d.next_logits() for d in decoders)
+        for logits in others:
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=1e-5)
+        for d in decoders:
+            d.append(tokens[:, column])
+
+
+@pytest.mark.parametrize("kind", [*CONFIGS, *QK_NORM])
+@pytest.mark.parametrize("bidirectional_prompt", [False, True])
+def test_fixed_shape_step_equals_the_usual_step(kind, bidirectional_prompt):
+    model = seeded_model({**CONFIGS, **QK_NORM}[kind]()).eval()
+    if bidirectional_prompt and model.config.arch != "decoder":
+        pytest.skip("a bidirectional prompt is for decoder-only models")
+    ids, mask = prompts()
+    with torch.no_grad():
+        usual, fixed = (
+            StepDecoder(model, ids, mask, max_new_tokens=9, bidirectional_prompt=bidirectional_prompt) for _ in range(2)
+        )
+        fixed.graph_step = FixedShapeStep(fixed, capture=False)  # what the GPU captures, run eagerly
+        fed_the_same(model, [usual, fixed], steps=9)
+    assert fixed.graph_step is not None and fixed.graph_step.logits is not None  # the fixed step ran
+    # the fixed step attends over all M slots: the cache must have been written where the usual one is
+    assert fixed.cache.length == usual.cache.length == fixed.length - 1
+    torch.testing.assert_close(fixed.cache.keys, usual.cache.keys, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fixed.cache.key_mask, usual.cache.key_mask)
+
+
+def test_fixed_shape_step_in_bfloat16_stays_close():
+    model = seeded_model(CONFIGS["rope_gqa"]()).eval().to(torch.bfloat16)
+    ids, mask = prompts()
+    with torch.no_grad():
+        usual, fixed = (StepDecoder(model, ids, mask, max_new_tokens=6) for _ in range(2))
+        fixed.graph_step = FixedShapeStep(fixed, capture=False)
+        for column in range(6):
+            a, b = usual.next_logits().clone(), fixed.next_logits()
+            # the same products over more (masked) keys: bf16 rounding may differ, the argmax rarely
+            assert (a - b).abs().max() < 0.1 * a.abs().max()
+            for d in (usual, fixed):
+                d.append(a.argmax(-1))
+
+
+def test_unsupported_decoders_keep_the_usual_step():
+    windowed = seeded_model(CONFIGS["rope_gqa"]().replace(sliding_window=4)).eval()
+    ids, mask = prompts()
+    decoder = StepDecoder(windowed, ids, mask, max_new_tokens=3)
+    assert "sliding_window" in graph_step_supported(decoder)
+    with pytest.raises(ValueError, match="needs full softmax attention with a KV cache; model.sliding_window"):
+        FixedShapeStep(decoder, capture=False)
+    no_cache = StepDecoder(seeded_model(CONFIGS["learned"]()).eval(), ids, mask, max_new_tokens=3, use_cache=False)
+    assert "no KV cache" in graph_step_supported(no_cache)
+
+
+def test_capture_needs_cuda_and_cpu_generation_ignores_the_flag():
+    model = seeded_model(CONFIGS["learned"]()).eval()
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; the model is on cpu"):
+        FixedShapeStep(StepDecoder(model, ids, mask, max_new_tokens=3), capture=True)
+    assert StepDecoder(model, ids, mask, max_new_tokens=3, cuda_graph=True).graph_step is None
+    assert torch.equal(
+        generate(model, ids, mask, max_new_tokens=5, cuda_graph=True),
+        generate(model, ids, mask, max_new_tokens=5, cuda_graph=False),
+    )
+
+
+def test_a_fixed_step_takes_exactly_one_new_token():
+    model = seeded_model(CONFIGS["learned"]()).eval()
+    ids, mask = prompts()
+    decoder = StepDecoder(model, ids, mask, max_new_tokens=3)
+    step = FixedShapeStep(decoder, capture=False)
+    with torch.no_grad(), pytest.raises(ValueError, match="takes one new token; 7 are uncached"):
+        step()  # the prompt is not cached yet
