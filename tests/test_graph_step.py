@@ -12,7 +12,7 @@ from helpers import seeded_model
 from test_generate import CONFIGS, V, prompts
 
 from lit_transformer.model import preset
-from lit_transformer.model.generate import StepDecoder, generate
+from lit_transformer.model.generate import GenerationConfig, StepDecoder, beam_search, generate
 from lit_transformer.model.graph_step import FixedShapeStep, graph_step_supported
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,6 +53,25 @@ def test_fixed_shape_step_equals_the_usual_step(kind, bidirectional_prompt):
     assert fixed.cache.length == usual.cache.length == fixed.length - 1
     torch.testing.assert_close(fixed.cache.keys, usual.cache.keys, atol=1e-5, rtol=1e-5)
     assert torch.equal(fixed.cache.key_mask, usual.cache.key_mask)
+
+
+@pytest.mark.parametrize("kind", ["rope_gqa", "t5_relative"])
+def test_beam_search_with_the_fixed_shape_step_equals_the_usual_one(kind):
+    """Beam search moves rows among a prompt's beams (in place, which a captured step needs)
+    and drops the rows of finished prompts (a new step at the new shape)."""
+    model = seeded_model(CONFIGS[kind]()).eval()
+    ids, mask = prompts()
+    usual = generate(model, ids, mask, max_new_tokens=9, num_beams=3)
+    eos = int(usual[1, -8])  # an early token of prompt 1's best beam: it finishes before the others
+    config = GenerationConfig(max_new_tokens=9, num_beams=3, eos_token_id=eos, length_penalty=0.0)
+    with torch.no_grad():
+        expected = beam_search(StepDecoder(model, ids, mask, max_new_tokens=9, expand=3), config)
+        decoder = StepDecoder(model, ids, mask, max_new_tokens=9, expand=3)
+        decoder.graph_step = first = FixedShapeStep(decoder, capture=False)
+        got = beam_search(decoder, config)
+    assert torch.equal(got, expected)
+    assert first.logits is not None  # the fixed step ran
+    assert decoder.graph_step is not first and decoder.graph_step.rows < 9  # and again with fewer rows
 
 
 def test_fixed_shape_step_in_bfloat16_stays_close():

@@ -200,8 +200,12 @@ class KVCache:
         else:
             self.keys = self.keys.index_select(1, index)
             self.values = self.values.index_select(1, index)
-        self.key_mask = self.key_mask.index_select(0, index)
-        self.positions = self.positions.index_select(0, index)
+        if rows == self.key_mask.shape[0]:  # in place: a captured decoding step reads these tensors
+            self.key_mask.copy_(self.key_mask.index_select(0, index))
+            self.positions.copy_(self.positions.index_select(0, index))
+        else:
+            self.key_mask = self.key_mask.index_select(0, index)
+            self.positions = self.positions.index_select(0, index)
         if not within_groups:
             self.cross = [
                 None if kv is None else (kv[0].index_select(0, index), kv[1].index_select(0, index))

@@ -47,7 +47,7 @@ class GenerationConfig:
     use_cache: bool = True
     # decoder-only: the prompt attends bidirectionally (UniLM / prefix LM), the new tokens causally
     bidirectional_prompt: bool = False
-    # On a CUDA device, greedy and sampled decoding replay the single-token step as a CUDA graph
+    # On a CUDA device, decoding replays the single-token step as a CUDA graph
     # (graph_step.py): a small model's step is bound by launching its kernels from the host.
     cuda_graph: bool = True
 
@@ -150,7 +150,7 @@ class StepDecoder:
         cuda_graph: bool = False,
     ):
         """cuda_graph: on a CUDA device, run the single-token steps as a CUDA graph where the
-        model allows it (graph_step.py), else as usual; `reorder` goes back to the usual step."""
+        model allows it (graph_step.py), else as usual."""
         cfg = model.config
         if cfg.arch == "encoder":
             raise ValueError(
@@ -272,7 +272,6 @@ class StepDecoder:
         reorder that keeps every group moves rows only among beams of one prompt, whose
         encoder memory is identical, so memory and the cross-attention cache stay as they are."""
         same_groups = index.numel() == self.ids.shape[0]
-        self.graph_step = None  # the rows move to new tensors, which a captured graph does not read
         self.ids = self.ids.index_select(0, index)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
@@ -284,6 +283,10 @@ class StepDecoder:
                     setattr(self, name, value.index_select(0, index))
         if self.cache is not None:
             self.cache.reorder(index, within_groups=same_groups)
+        if self.graph_step is not None and not same_groups:
+            # Fewer rows (prompts finished): a step at the new shapes. The cache moved its rows in
+            # place while the number stays, so a captured step goes on reading the right memory.
+            self.graph_step = FixedShapeStep(self, capture=self.graph_step.capture)
 
 
 def generate(
@@ -362,7 +365,7 @@ def generate_with(
                 decoder_start_token_id=config.decoder_start_token_id,
                 expand=config.num_beams,
                 bidirectional_prompt=config.bidirectional_prompt,
-                cuda_graph=config.cuda_graph and config.num_beams == 1,
+                cuda_graph=config.cuda_graph,
             )
             if config.num_beams > 1:
                 return beam_search(decoder, config)
