@@ -354,9 +354,9 @@ def check_kv_decoding(ctx: Context) -> dict:
     numbers = {"layers": layers, "new_tokens": new}
     if ctx.cuda:  # the CUDA-graph step (model/graph_step.py) against the eager step
         numbers |= graph_against_eager(model, prompt)
-        for mode in ("agreement", "beam_agreement"):
-            agree = numbers[f"graph_{mode}_float32"]
-            need(agree == 1.0, f"float32 {mode.replace('_', ' ')} of CUDA graphs and eager steps: {agree:.2%}")
+        for key in ("agreement_float32", "beam_agreement_float32", "agreement_autocast"):
+            agree = numbers[f"graph_{key}"]
+            need(agree == 1.0, f"{key.replace('_', ' ')} of CUDA-graph and eager tokens: {agree:.2%}")
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     model = model.to(dtype)
     numbers["dtype"] = str(dtype).replace("torch.", "")
@@ -412,6 +412,12 @@ def graph_against_eager(model, prompt: torch.Tensor) -> dict:
             need(steps[0].graph_step.graph is not None, "no CUDA graph was captured")
         numbers[f"graph_logits_max_diff_{name}"] = worst
     model.to(torch.float32)
+    # a float32 model under bf16 autocast, as validation decodes inside a bf16-mixed run
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graph, eager = (
+            generate(model, prompt, max_new_tokens=24, eos_token_id=None, cuda_graph=g) for g in (True, False)
+        )
+    numbers["graph_agreement_autocast"] = float((graph == eager).float().mean())
     return numbers
 
 
