@@ -27,6 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lit_transformer.data.batch_warmup import WarmupBatchSampler
 from lit_transformer.data.block_warmup import cut_rows, warmup_row_length
 from lit_transformer.data.cache import cache_lock, cache_root
 from lit_transformer.data.collate import (
@@ -352,6 +353,8 @@ class TextDataModule(RankedDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else self._next_epoch
         self._next_epoch = epoch + 1
         skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        if self._train_sampler is not None:
+            self._train_sampler.set_epoch(epoch)  # before _carry: a warmup sampler carries by epoch
         if self._resume is not None and self._saved_layout is not None:
             carried = self._carry(skip, epoch)
             if self._saved_layout != self._layout():  # training.checkpoints.ResumeCounters moves Lightning's count
@@ -360,7 +363,6 @@ class TextDataModule(RankedDataModule):
         self._resume, self._saved_layout = None, None
         self._epoch, self._consumed = epoch, skip
         if self._train_sampler is not None:
-            self._train_sampler.set_epoch(epoch)
             self._train_sampler.resume(epoch, skip)
         if self._train_stream is not None:
             self._train_stream.set_epoch(epoch, skip, resume=self._stream_resume)
@@ -446,9 +448,14 @@ class TextDataModule(RankedDataModule):
                 world_size=self.world_size,
             )
         else:
-            sampler = ResumableBatchSampler(
+            warmup = {}  # batch-size warmup: counted in micro-batches, as Lightning takes them
+            if train and cfg.batch_warmup_steps:
+                items = cfg.batch_warmup_steps * self._layout()["accumulate"]
+                warmup = dict(warmup_items=items, start=cfg.batch_warmup_start)
+            sampler = (WarmupBatchSampler if warmup else ResumableBatchSampler)(
                 len(examples),
                 batch_size,
+                **warmup,
                 seed=self.seed,
                 shuffle=train and cfg.shuffle,
                 drop_last=train,

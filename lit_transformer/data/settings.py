@@ -81,6 +81,12 @@ class DataConfig:
     # the context shorter. 0: off. block_size / block_warmup_start must be a power of two
     block_warmup_steps: int = 0
     block_warmup_start: int = 32
+    # batch-size warmup (batch_warmup.py): for the first batch_warmup_steps optimizer steps a
+    # batch holds batch_warmup_start examples, doubling in equal stages up to batch_size, cut from
+    # the same shuffled order (nothing skipped). 0: off. batch_size / batch_warmup_start must be a
+    # power of two
+    batch_warmup_steps: int = 0
+    batch_warmup_start: int = 4
     noise_density: float = 0.15  # T5 span corruption (Raffel et al. 2020, 3.1.4)
     mean_span_length: float = 3.0
     batch_size: int | str = 32  # "auto": sized from the time budget when the run starts (recipe/auto.py)
@@ -119,6 +125,7 @@ class DataConfig:
             if getattr(self, name) is not None:
                 _check_positive(f"data.{name}", getattr(self, name))
         self._check_block_warmup()
+        self._check_batch_warmup()
         if self.num_workers < 0:
             raise DataError(f"data.num_workers={self.num_workers} must be >= 0")
         for name in ("val_fraction", "mlm_probability", "mask_replace_prob", "random_replace_prob", "noise_density"):
@@ -154,6 +161,36 @@ class DataConfig:
                 f"data.block_warmup_start={start} must be data.block_size={self.block_size} divided by a "
                 "power of two (2, 4, 8, ...): blocks are cut into rows of that length"
             )
+
+    def _check_batch_warmup(self) -> None:
+        steps, start = self.batch_warmup_steps, self.batch_warmup_start
+        if not isinstance(steps, int) or steps < 0:
+            raise DataError(f"data.batch_warmup_steps={steps!r} must be an integer >= 0 (0: off)")
+        if not steps:
+            return
+        why = (
+            "data.batch_tokens is set (token batches)"
+            if self.batch_tokens is not None
+            else "data.streaming=true"
+            if self.streaming
+            else f"data.store={self.store}"
+            if self.store != "cache"
+            else None
+        )
+        if why is not None:
+            raise DataError(f"data.batch_warmup_steps cuts batches of data.batch_size examples; {why}")
+        if self.batch_size != AUTO:
+            check_batch_warmup(self.batch_size, start)
+
+
+def check_batch_warmup(batch_size: int, start: int) -> None:
+    """batch_size / start must be a power of two: warmup batches double up to the batch size."""
+    ratio = batch_size // start if isinstance(start, int) and start > 0 else 0
+    if ratio < 2 or batch_size % start or ratio & (ratio - 1):
+        raise DataError(
+            f"data.batch_warmup_start={start} must be data.batch_size={batch_size} divided by a power of "
+            "two (2, 4, 8, ...): warmup batches double up to the batch size"
+        )
 
 
 @dataclass

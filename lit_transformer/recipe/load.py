@@ -277,6 +277,11 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
             f"objective.name in {list(BLOCK_WARMUP_OBJECTIVES)} without tasks, not "
             f"{'a mixture' if cfg.tasks else repr(cfg.objective.name)}"
         )
+    if cfg.data.batch_warmup_steps and cfg.tasks:
+        raise RecipeError(
+            f"{source}: data.batch_warmup_steps cuts one objective's batches; a mixture's steps draw "
+            "from several tasks (set data.batch_warmup_steps=0)"
+        )
     if cfg.data.document_mask and model.attention_kind == "linear":
         raise RecipeError(
             f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
