@@ -21,21 +21,33 @@ Shape legend: R rows (prompts times beams), V vocabulary.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from lit_transformer.model.attention import KVCache
+from lit_transformer.model.language_model import LanguageModel
 
-if TYPE_CHECKING:
-    from lit_transformer.model.generate import StepDecoder
+
+class DecoderState(Protocol):
+    """What the step reads of generate.StepDecoder (named here: generate.py imports this module)."""
+
+    model: LanguageModel
+    cache: KVCache | None
+    ids: torch.Tensor  # (R, W) token buffer
+    positions: torch.Tensor | None  # (R, W) decoder-only; None: an encoder-decoder's decoder
+    memory: torch.Tensor | None
+    memory_mask: torch.Tensor | None
+    prefix_lengths: torch.Tensor | None
+    length: int  # tokens in the buffer
+
 
 # Eager steps before the capture, on a side stream, as torch.cuda.graphs asks: the first calls
 # of cuBLAS and of the caching allocator set up state that must not be recorded.
 WARMUP_STEPS = 2
 
 
-def graph_step_supported(decoder: StepDecoder) -> str | None:
+def graph_step_supported(decoder: DecoderState) -> str | None:
     """None when the decoder's steps can run at fixed shapes, else why not (one phrase)."""
     cfg = decoder.model.config
     if cfg.sliding_window is not None or cfg.attention_kind != "softmax":
@@ -51,7 +63,7 @@ class FixedShapeStep:
     """One new token per row through `decoder`'s model at fixed shapes; see the module doc.
     capture: record the step as a CUDA graph after WARMUP_STEPS eager steps, and replay it."""
 
-    def __init__(self, decoder: StepDecoder, *, capture: bool):
+    def __init__(self, decoder: DecoderState, *, capture: bool):
         why = graph_step_supported(decoder)
         if why is not None:
             raise ValueError(f"a fixed-shape decoding step needs full softmax attention with a KV cache; {why}")
