@@ -17,6 +17,7 @@ from lit_transformer.evaluation.batch_generate import (
     BATCH_TOKENS,
     BatchGenerator,
     Decoding,
+    decoding_device,
     decoding_dtype,
     plan_batches,
 )
@@ -112,6 +113,17 @@ def test_auto_dtype_is_bf16_only_where_it_is_fast(monkeypatch):
         decoding_dtype("float16", cpu)
 
 
+def test_auto_device_is_the_gpu_where_torch_sees_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert decoding_device("auto") == decoding_device("cpu") == torch.device("cpu")
+    with pytest.raises(RunError, match="--device cuda: torch sees no CUDA device on this machine"):
+        decoding_device("cuda")
+    with pytest.raises(RunError, match="--device tpu: choose auto, cpu or cuda"):
+        decoding_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert decoding_device("auto") == decoding_device("cuda") == torch.device("cuda")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_both_dtypes_generate(dtype):
     tokenizer = word_tokenizer()
@@ -129,7 +141,12 @@ def test_flag_defaults_and_errors(tmp_path, capsys):
     parser = build_parser()
     for command in (["generate", "run", "--prompt", "x"], ["evaluate", "run"]):
         args = parser.parse_args(command)  # cli.py avoids importing torch: its defaults are copies
-        assert (args.batch_size, args.batch_tokens, args.dtype) == (BATCH_ROWS, BATCH_TOKENS, "auto")
+        assert (args.batch_size, args.batch_tokens, args.dtype, args.device) == (
+            BATCH_ROWS,
+            BATCH_TOKENS,
+            "auto",
+            "auto",
+        )
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "run", "--prompt", "x", "--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err

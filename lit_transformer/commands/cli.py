@@ -28,6 +28,8 @@ DTYPE_HELP = (
     "instructions, AMX or AVX512-BF16, else float32)"
 )
 DTYPES = ("auto", "float32", "bfloat16")
+DEVICE_HELP = "where to decode (default auto: the GPU when torch sees one, its steps as CUDA graphs; else the CPU)"
+DEVICES = ("auto", "cpu", "cuda")
 # a subcommand's --debug must not reset the top-level one (argparse copies subparser defaults)
 DEBUG = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks of errors")
 EPILOG = (
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"translation: {DTYPE_HELP}; the losses keep the run's precision",
     )
     p.add_argument(
+        "--device", choices=DEVICES, default="auto", help=f"translation: {DEVICE_HELP}; the losses run on the CPU"
+    )
+    p.add_argument(
         "--task",
         metavar="NAME",
         help="a mixture run: only this task, with the single objective's "
@@ -194,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256, metavar="N", help=f"with --input: {BATCH_SIZE_HELP}")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N", help=f"with --input: {BATCH_TOKENS_HELP}")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
+    p.add_argument("--device", choices=DEVICES, default="auto", help=DEVICE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -433,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             batch_tokens=args.batch_tokens,
             dtype=args.dtype,
+            device=args.device,
             task=args.task,
             split=args.split,
         )
@@ -451,6 +458,7 @@ def run(args: argparse.Namespace) -> int:
             bidirectional_prompt=args.bidirectional_prompt,
             mode_token=args.mode_token,
             dtype=args.dtype,
+            device=args.device,
         )
         if args.input is not None:
             inference.generate_file(

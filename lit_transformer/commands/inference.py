@@ -28,6 +28,7 @@ from lit_transformer.evaluation.batch_generate import (
     ContextNotes,
     Decoding,
     check_batching,
+    decoding_device,
     decoding_dtype,
     translation_scores,
 )
@@ -49,6 +50,7 @@ def evaluate(
     batch_size: int | None = BATCH_ROWS,
     batch_tokens: int | None = BATCH_TOKENS,
     dtype: str = "auto",
+    device: str = "auto",
     task: str | None = None,
     progress_bar: bool = True,
     split: str = "validation",
@@ -71,7 +73,7 @@ def evaluate(
     from lit_transformer.objectives import evaluate_batches
 
     check_batching(batch_size, batch_tokens)
-    decoding_dtype(dtype, torch.device("cpu"))  # a bad name fails before the losses are computed
+    decoding_dtype(dtype, decoding_device(device))  # a bad name fails before the losses are computed
     source = resolve_source(target)
     cfg = source.run_config
     if cfg is None or source.tokenizer is None:
@@ -152,7 +154,8 @@ def evaluate(
         )
         # Cast in place: the losses above were the model's last float32 use. `generate --input`
         # with the same options and dtype gives the same text.
-        model = module.model.to(decoding_dtype(dtype, next(module.model.parameters()).device))
+        where = decoding_device(device)
+        model = module.model.to(device=where, dtype=decoding_dtype(dtype, where))
         generate_text = BatchGenerator(
             model, dm.tokenizer, dm.special_tokens, style, decoding, batch_size=batch_size, batch_tokens=batch_tokens
         )
@@ -169,6 +172,7 @@ def batch_generator(
     batch_size: int | None = BATCH_ROWS,
     batch_tokens: int | None = BATCH_TOKENS,
     dtype: str = "auto",
+    device: str = "auto",
     notes: ContextNotes | None = None,
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
@@ -192,8 +196,8 @@ def batch_generator(
             f"{target}: a {objective} {arch} model does not generate text; generate needs "
             f"a {', '.join(generative) or 'decoder or encoder-decoder'} run"
         )
-    model = load_language_model(source).eval()
-    model = model.to(decoding_dtype(dtype, next(model.parameters()).device))
+    where = decoding_device(device)
+    model = load_language_model(source).eval().to(device=where, dtype=decoding_dtype(dtype, where))
     tokenizer = load_tokenizer(source.tokenizer)
     if bidirectional_prompt and arch != "decoder":
         raise RunError(f"--bidirectional-prompt: a {arch} model's prompt is read by its encoder, bidirectional already")
@@ -265,6 +269,7 @@ def generate(
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
     dtype: str = "auto",
+    device: str = "auto",
     continuation_only: bool = False,
 ) -> str:
     """Continue (decoder) or transform (encoder-decoder) a prompt with a run's model. A decoder's
@@ -285,6 +290,7 @@ def generate(
         decoding,
         batch_size=1,
         dtype=dtype,
+        device=device,
         bidirectional_prompt=bidirectional_prompt,
         mode_token=mode_token,
         show_prompt=not continuation_only,
@@ -303,6 +309,7 @@ def generate_file(
     batch_size: int | None = BATCH_ROWS,
     batch_tokens: int | None = BATCH_TOKENS,
     dtype: str = "auto",
+    device: str = "auto",
     progress_bar: bool = True,
     bidirectional_prompt: bool = False,
     mode_token: str | None = None,
@@ -322,6 +329,7 @@ def generate_file(
         batch_size=batch_size,
         batch_tokens=batch_tokens,
         dtype=dtype,
+        device=device,
         bidirectional_prompt=bidirectional_prompt,
         mode_token=mode_token,
     )

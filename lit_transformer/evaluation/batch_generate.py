@@ -56,6 +56,18 @@ def decoding_dtype(choice: str, device: torch.device) -> torch.dtype:
     return DTYPES[choice]
 
 
+def decoding_device(choice: str) -> torch.device:
+    """Where to decode: `auto` is the GPU when torch sees one (decoding steps run there as CUDA
+    graphs: model/graph_step.py), else the CPU."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice not in ("cpu", "cuda"):
+        raise RunError(f"--device {choice}: choose auto, cpu or cuda")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RunError("--device cuda: torch sees no CUDA device on this machine (choose cpu or auto)")
+    return torch.device(choice)
+
+
 def check_batching(batch_size: int | None, batch_tokens: int | None) -> None:
     """Before a model is loaded: the batching flags are positive (None: no limit of that kind)."""
     for flag, value in (("--batch-size", batch_size), ("--batch-tokens", batch_tokens)):
@@ -434,5 +446,6 @@ def translation_scores(
         "bleu_signature": str(bleu.get_signature()),
         "chrf_signature": str(chrf.get_signature()),
         "dtype": str(generate.dtype).removeprefix("torch."),
+        "device": next(generate.model.parameters()).device.type,
         **generate.throughput(),
     }
