@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.metadata
 import json
 import math
@@ -411,6 +412,15 @@ def graph_against_eager(model, prompt: torch.Tensor) -> dict:
                     s.append(without.argmax(-1))
             need(steps[0].graph_step.graph is not None, "no CUDA graph was captured")
         numbers[f"graph_logits_max_diff_{name}"] = worst
+    # Graph after graph, with the cycle collector at its most eager, as `evaluate` decodes batch
+    # after batch: a graph destroyed during another's capture broke it (graph_step.py).
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(20):
+            generate(model, prompt, max_new_tokens=12, num_beams=4, eos_token_id=eos, cuda_graph=True)
+    finally:
+        gc.set_threshold(*threshold)
     model.to(torch.float32)
     # a float32 model under bf16 autocast, as validation decodes inside a bf16-mixed run
     with torch.autocast("cuda", dtype=torch.bfloat16):

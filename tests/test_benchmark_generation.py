@@ -87,7 +87,7 @@ def test_a_cell_pairs_alternating_runs_and_reports_the_median_ratio(monkeypatch)
     clock = iter([1.0, 1.5, 2.0, 2.0, 1.0, 0.9])  # ours, theirs, ours, theirs, ...
     tokens = torch.tensor([[7, 8, 9]])
 
-    def fake_decoders(shape, ours, theirs, prompt, beams):
+    def fake_decoders(shape, ours, theirs, prompt, beams, cuda_graph=True):
         return (lambda n: tokens), (lambda n: tokens.clone())
 
     monkeypatch.setattr(generation, "decoders", fake_decoders)

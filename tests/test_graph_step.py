@@ -6,6 +6,9 @@ itself needs CUDA: `benchmarks/gpu_check.py` (kv_decoding) compares it with the 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import seeded_model
@@ -111,10 +114,30 @@ def test_capture_needs_cuda_and_cpu_generation_ignores_the_flag():
     )
 
 
+def test_a_finished_decoder_frees_its_step_without_the_cycle_collector():
+    """A CUDA graph destroyed by the cycle collector during another graph's capture breaks that
+    capture (graph_step.py): a decoder and its step must not form a reference cycle."""
+    model = seeded_model(CONFIGS["t5_relative"]()).eval()
+    ids, mask = prompts()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.no_grad():
+            decoder = StepDecoder(model, ids, mask, max_new_tokens=4, expand=2)
+            decoder.graph_step = FixedShapeStep(decoder, capture=False)
+            beam_search(decoder, GenerationConfig(max_new_tokens=4, num_beams=2))
+        step = weakref.ref(decoder.graph_step)
+        del decoder
+        assert step() is None  # freed by its reference count, not left for the collector
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def test_a_fixed_step_takes_exactly_one_new_token():
     model = seeded_model(CONFIGS["learned"]()).eval()
     ids, mask = prompts()
     decoder = StepDecoder(model, ids, mask, max_new_tokens=3)
     step = FixedShapeStep(decoder, capture=False)
     with torch.no_grad(), pytest.raises(ValueError, match="takes one new token; 7 are uncached"):
-        step()  # the prompt is not cached yet
+        step(decoder)  # the prompt is not cached yet

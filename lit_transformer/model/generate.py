@@ -235,7 +235,7 @@ class StepDecoder:
         For a 16-bit model the tensor is reused by the next call: use it before calling again."""
         start = self.cache.length if self.cache is not None else 0
         if self.graph_step is not None and start > 0 and self.length == start + 1:
-            return self.graph_step()
+            return self.graph_step(self)
         ids = self.ids[:, start : self.length]
         mask = positions = None
         if self.arch == "decoder":

@@ -21,6 +21,7 @@ Shape legend: R rows (prompts times beams), V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Protocol
 
 import torch
@@ -69,7 +70,11 @@ class FixedShapeStep:
             raise ValueError(f"a fixed-shape decoding step needs full softmax attention with a KV cache; {why}")
         if capture and decoder.ids.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {decoder.ids.device}")
-        self.decoder, self.capture = decoder, capture
+        # The decoder is passed to each call, not kept: a step and its decoder in a reference cycle
+        # would be freed by the cycle collector at any later moment, and a CUDA graph destroyed
+        # while another is being captured breaks that capture (seen on an H100: evaluate died after
+        # 25 batches). Without the cycle, a finished decoder frees its graph at once.
+        self.capture = capture
         R, device = decoder.ids.shape[0], decoder.ids.device
         self.rows = R
         self.ids = torch.zeros(R, 1, dtype=torch.long, device=device)  # (R, 1) the graph's input
@@ -86,10 +91,11 @@ class FixedShapeStep:
             else contextlib.nullcontext()
         )
 
-    def __call__(self) -> torch.Tensor:
+    def __call__(self, decoder: DecoderState) -> torch.Tensor:
         """Float32 logits (R, V) for the token after the decoder's sequences; the decoder's cache
-        holds everything before its last token. The tensor is overwritten by the next call."""
-        decoder, cache = self.decoder, self.decoder.cache
+        holds everything before its last token. The tensor is overwritten by the next call. The
+        decoder is the one the step was made for (a captured graph reads its tensors)."""
+        cache = decoder.cache
         start = cache.length
         if decoder.length != start + 1:
             raise ValueError(f"a fixed-shape step takes one new token; {decoder.length - start} are uncached")
@@ -106,26 +112,31 @@ class FixedShapeStep:
             if self.graph is not None:
                 self.graph.replay()
             elif not self.capture:
-                self.logits = self._forward()
+                self.logits = self._forward(decoder)
             elif self.eager_steps < WARMUP_STEPS:
                 self.eager_steps += 1
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    self.logits = self._forward()
+                    self.logits = self._forward(decoder)
                 torch.cuda.current_stream().wait_stream(side)
             else:
                 self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.logits = self._forward()
+                collecting = gc.isenabled()
+                gc.disable()  # no other graph (of code beyond ours) may be destroyed mid-capture either
+                try:
+                    with torch.cuda.graph(self.graph):
+                        self.logits = self._forward(decoder)
+                finally:
+                    if collecting:
+                        gc.enable()
                 self.graph.replay()  # capturing records the kernels without running them
         finally:
             cache.write_at = None
         cache.length = start + 1
         return self.logits
 
-    def _forward(self) -> torch.Tensor:
-        decoder = self.decoder
+    def _forward(self, decoder: DecoderState) -> torch.Tensor:
         with self.autocast:
             hidden = decoder.model.transformer.decode(
                 self.ids,
