@@ -72,8 +72,8 @@ class FixedShapeStep:
             raise ValueError(f"CUDA graphs need a CUDA device; the model is on {decoder.ids.device}")
         # The decoder is passed to each call, not kept: a step and its decoder in a reference cycle
         # would be freed by the cycle collector at any later moment, and a CUDA graph destroyed
-        # while another is being captured breaks that capture (seen on an H100: evaluate died after
-        # 25 batches). Without the cycle, a finished decoder frees its graph at once.
+        # while another is being captured breaks that capture (an evaluate run on an H100 died of
+        # it). Without the cycle, a finished decoder frees its graph at once.
         self.capture = capture
         R, device = decoder.ids.shape[0], decoder.ids.device
         self.rows = R
