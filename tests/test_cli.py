@@ -208,6 +208,7 @@ EXPECTED_KEYS = {
         "bleu_signature",
         "chrf_signature",
         "dtype",
+        "device",
         "sentences_per_s",
         "tokens_per_s",
     },

@@ -280,7 +280,10 @@ def test_ctrl_c_leaves_no_process_behind(tokenizers, docs, small_batches, monkey
     gen = pack.encode_documents(
         pack.fast_copy(tokenizers["bpe"]), iter(docs[:300] + [MARK] + docs[300:]), SEP, num_proc=3
     )
-    ctrl_c = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # only this process, as in a terminal
+    # Ctrl-C reaches this process's main thread. os.kill's process-wide signal may land on another
+    # thread (the timer's, the pool's), which leaves the main thread blocked on its wait.
+    main = threading.main_thread().ident
+    ctrl_c = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
     t0 = time.perf_counter()
     try:
         with deadline(60), pytest.raises(KeyboardInterrupt):
