@@ -284,6 +284,8 @@ def test_ctrl_c_leaves_no_process_behind(tokenizers, docs, small_batches, monkey
     # thread (the timer's, the pool's), which leaves the main thread blocked on its wait.
     main = threading.main_thread().ident
     ctrl_c = threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT))
+    # Python's own Ctrl-C handler, whatever an earlier test of this process left installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t0 = time.perf_counter()
     try:
         with deadline(60), pytest.raises(KeyboardInterrupt):
@@ -293,6 +295,7 @@ def test_ctrl_c_leaves_no_process_behind(tokenizers, docs, small_batches, monkey
                     ctrl_c.start()
     finally:
         ctrl_c.cancel()  # never a stray Ctrl-C in a later test
+        signal.signal(signal.SIGINT, previous)
     assert _children() <= before and time.perf_counter() - t0 < 4  # terminated, not waited for (join(5), kill)
 
 
