@@ -19,19 +19,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from itertools import accumulate
 
+from lit_transformer.data.block_warmup import doubling_warmup
 from lit_transformer.data.errors import DataError
 from lit_transformer.data.sampler import ResumableBatchSampler
 from lit_transformer.data.settings import check_batch_warmup
 
 
 def warmup_batch_rows(item: int, *, batch_size: int, start: int, items: int) -> int:
-    """Examples in micro-batch `item` of the first epoch: start, 2 start, ..., batch_size / 2 in
-    equal stages over the first `items` micro-batches, then batch_size. batch_size / start is a
-    power of two (check_batch_warmup)."""
-    if item >= items:
-        return batch_size
-    stages = (batch_size // start).bit_length() - 1  # the smaller sizes: start ... batch_size / 2
-    return start << (item * stages // items)
+    """Examples in micro-batch `item` of the first epoch (doubling_warmup up to batch_size over
+    the first `items` micro-batches)."""
+    return doubling_warmup(item, full=batch_size, start=start, steps=items)
 
 
 class WarmupBatchSampler(ResumableBatchSampler):

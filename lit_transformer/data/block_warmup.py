@@ -15,14 +15,19 @@ from __future__ import annotations
 import torch
 
 
-def warmup_row_length(step: int, *, block_size: int, start: int, steps: int) -> int:
-    """Row length at optimizer step `step`: start, 2 start, ..., block_size / 2 in equal stages
-    over the first `steps` steps, then block_size. block_size / start is a power of two
-    (DataConfig checks it)."""
+def doubling_warmup(step: int, *, full: int, start: int, steps: int) -> int:
+    """The size at `step` of a warmup that doubles: start, 2 start, ..., full / 2 in equal stages
+    over the first `steps` steps, then full. full / start is a power of two (settings.halved_down_to).
+    This module's row length and batch_warmup.py's batch size both follow it."""
     if step >= steps:
-        return block_size
-    stages = (block_size // start).bit_length() - 1  # the shorter lengths: start ... block_size / 2
+        return full
+    stages = (full // start).bit_length() - 1  # the smaller sizes: start ... full / 2
     return start << (step * stages // steps)
+
+
+def warmup_row_length(step: int, *, block_size: int, start: int, steps: int) -> int:
+    """Row length at optimizer step `step` (doubling_warmup up to block_size)."""
+    return doubling_warmup(step, full=block_size, start=start, steps=steps)
 
 
 def cut_rows(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:

@@ -155,8 +155,7 @@ class DataConfig:
         if not isinstance(steps, int) or steps < 0:
             raise DataError(f"data.block_warmup_steps={steps!r} must be an integer >= 0 (0: off)")
         _check_positive("data.block_warmup_start", start)
-        ratio = self.block_size // start
-        if steps and (start >= self.block_size or self.block_size % start or ratio & (ratio - 1)):
+        if steps and not halved_down_to(self.block_size, start):
             raise DataError(
                 f"data.block_warmup_start={start} must be data.block_size={self.block_size} divided by a "
                 "power of two (2, 4, 8, ...): blocks are cut into rows of that length"
@@ -183,10 +182,16 @@ class DataConfig:
             check_batch_warmup(self.batch_size, start)
 
 
+def halved_down_to(full: int, start: int) -> bool:
+    """Whether `start` is `full` halved one or more times: full / start a power of two >= 2 (the
+    warmups double their size in stages from start up to full)."""
+    ratio = full // start
+    return start < full and full % start == 0 and ratio & (ratio - 1) == 0
+
+
 def check_batch_warmup(batch_size: int, start: int) -> None:
     """batch_size / start must be a power of two: warmup batches double up to the batch size."""
-    ratio = batch_size // start if isinstance(start, int) and start > 0 else 0
-    if ratio < 2 or batch_size % start or ratio & (ratio - 1):
+    if not (isinstance(start, int) and start > 0 and halved_down_to(batch_size, start)):
         raise DataError(
             f"data.batch_warmup_start={start} must be data.batch_size={batch_size} divided by a power of "
             "two (2, 4, 8, ...): warmup batches double up to the batch size"
