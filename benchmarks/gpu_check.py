@@ -74,11 +74,13 @@ class Context:
         self._runs += 1
         return self.scratch / f"{self._runs:02d}-{name}"
 
-    def overrides(self, steps: int) -> list[str]:
+    def overrides(self, steps: int, evaluations: bool = False) -> list[str]:
+        """RUN's overrides for a run of `steps` steps; with `evaluations`, the recipe's eval section runs."""
         sizes = [] if self.cuda else CPU_SIZES
         every = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
         every.append(f"trainer.checkpoint_every_n_steps={steps}")
-        return [*RUN, f"trainer.accelerator={'gpu' if self.cuda else 'cpu'}", *sizes, *every]
+        run = [a for a in RUN if a != "eval=[]"] if evaluations else RUN
+        return [*run, f"trainer.accelerator={'gpu' if self.cuda else 'cpu'}", *sizes, *every]
 
     def gpt2(self):
         """(setup, side, batch) of the GPT-2 small step the mfu and peak_memory checks share:
@@ -112,16 +114,19 @@ def probe_callback():
     return Probe()
 
 
-def recipe_run(ctx: Context, recipe: str, overrides: list[str], steps: int) -> dict:
-    """Train `recipe` for `steps` steps in a fresh run directory; its losses per step (from the
-    run's CSV log), final validation metrics and what the Probe saw."""
+def recipe_run(ctx: Context, recipe: str, overrides: list[str], steps: int, evaluations: bool = False) -> dict:
+    """Train `recipe` for `steps` steps in a fresh run directory (with `evaluations`, its eval
+    section too); its losses per step (from the run's CSV log), final validation metrics and
+    what the Probe saw."""
     from lit_transformer.commands.train import train
     from lit_transformer.recipe.load import load_recipe
     from lit_transformer.training.rundir import read_metrics
 
     run_dir = ctx.run_dir(recipe)
     vocab = f"tokenizer.vocab_size={VOCAB.get(recipe, 400)}"
-    cfg = load_recipe(RECIPES / f"{recipe}.yaml", [*ctx.overrides(steps), vocab, *overrides, f"run.dir={run_dir}"])
+    cfg = load_recipe(
+        RECIPES / f"{recipe}.yaml", [*ctx.overrides(steps, evaluations), vocab, *overrides, f"run.dir={run_dir}"]
+    )
     probe = probe_callback()
     resident = 0
     if ctx.cuda:  # the run's own peak: what earlier checks left allocated (the GPT-2 step) is not its own
@@ -133,6 +138,8 @@ def recipe_run(ctx: Context, recipe: str, overrides: list[str], steps: int) -> d
     need(len(losses) == steps, f"{recipe}: {len(losses)} logged losses for {steps} steps ({run_dir})")
     need(all(math.isfinite(x) for x in losses), f"{recipe}: non-finite loss in {losses}")
     peak = torch.cuda.max_memory_allocated() - resident if ctx.cuda else None
+    for entry in cfg.eval:  # each named evaluation ran: its numbers are in the final metrics
+        need(f"eval/{entry.name}/examples" in metrics, f"{recipe}: eval entry {entry.name} left no numbers ({run_dir})")
     return {"dir": run_dir, "losses": losses, "metrics": metrics, "seen": probe.seen, "peak_bytes": peak}
 
 
@@ -227,7 +234,9 @@ def check_strategies(ctx: Context) -> dict:
     numbers, problems = {}, []
     try:
         for strategy in ("ddp", "fsdp"):
-            run = recipe_run(ctx, "tiny-clm", [f"trainer.strategy={strategy}", f"trainer.precision={precision}"], steps)
+            # with the recipe's eval section, as shipped: its step-0 evaluations once crashed FSDP
+            overrides = [f"trainer.strategy={strategy}", f"trainer.precision={precision}"]
+            run = recipe_run(ctx, "tiny-clm", overrides, steps, evaluations=True)
             numbers[strategy] = [round(x, 4) for x in run["losses"]]
             if run["seen"].get("backend") != expected:
                 problems.append(f"{strategy} ran on backend {run['seen'].get('backend')}, not {expected}")
@@ -242,7 +251,8 @@ def check_strategies(ctx: Context) -> dict:
         if torch.distributed.is_initialized():  # later checks run on one device without a group
             torch.distributed.destroy_process_group()
     need(not problems, "; ".join(problems))
-    return {"detail": f"{precision}, {steps} steps each on {expected}; FSDP2 sharded checkpoint saved", **numbers}
+    detail = f"{precision}, {steps} steps each on {expected}, tiny-clm's named evaluations on; FSDP2 sharded checkpoint"
+    return {"detail": detail, **numbers}
 
 
 def check_fused_adamw(ctx: Context) -> dict:

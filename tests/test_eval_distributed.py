@@ -19,20 +19,26 @@ from helpers import RECIPES, TINY_RUN, run_two_ranks
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
+from lit_transformer.data.stdlib import seq2seq_examples
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-# heldout: 6 rows are one evaluation batch of the one-process run and two of each rank's (3 rows),
-# the same rows either way. classify: 48 train and 48 dev rows of the 8-package task.
+# The classify probe first: before the first training step it calls a part of the model (the
+# backbone), not the model itself, which under FSDP2 once made a Block its own root and crashed
+# the step (every shipped tiny recipe's eval section starts so). heldout: 6 rows are one
+# evaluation batch of the one-process run and two of each rank's (3 rows), the same rows either
+# way. classify: 48 train and 48 dev rows of the 8-package task. translate: greedy decoding of 4
+# docstring -> signature pairs (a UniLM decoder writes its continuation).
 SUITE = """
 eval:
-  - {name: text, kind: heldout, embedded: stdlib_text, max_examples: 6}
   - {name: probe, kind: classify, embedded: docstring_package, max_examples: 48}
   - {name: tuned, kind: classify, embedded: docstring_package, max_examples: 48, mode: finetune, steps: 3}
   - {name: next_line, kind: choice, embedded: next_line, max_examples: 12}
+  - {name: text, kind: heldout, embedded: stdlib_text, max_examples: 6}
+  - {name: mt, kind: translate, files: SOURCE, target_files: TARGET, max_examples: 4, max_new_tokens: 4}
 """
 # TINY_RUN without its "eval=[]" (the recipe file gives the eval section), deterministic as in
 # test_distributed.py (no dropout; a high learning rate without warmup shows a wrong update);
@@ -84,6 +90,7 @@ import os
 import sys
 
 from lit_transformer.commands.train import train
+from lit_transformer.data.stdlib import seq2seq_examples
 from lit_transformer.recipe.load import load_recipe
 
 strategy, out, recipe, common = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
@@ -104,8 +111,12 @@ for name, (path, args) in runs.items():
 def setup(tmp_path_factory) -> tuple[Path, Path]:
     """(the recipe with the eval section, the token cache shared by every run)."""
     tmp = tmp_path_factory.mktemp("eval-distributed")
+    pairs = seq2seq_examples()["test"][:4]
+    (tmp / "source.txt").write_text("".join(p["source"] + "\n" for p in pairs))
+    (tmp / "target.txt").write_text("".join(p["target"] + "\n" for p in pairs))
+    suite = SUITE.replace("SOURCE", str(tmp / "source.txt")).replace("TARGET", str(tmp / "target.txt"))
     recipe = tmp / "evaluated.yaml"
-    recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n{SUITE}")
+    recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n{suite}")
     return recipe, tmp / "cache"
 
 
@@ -170,12 +181,13 @@ def test_every_rank_holds_rank_0s_numbers(request, strategy):
     for key in ("eval/text/clm/loss", "eval/text/mlm/loss", "eval/probe/accuracy", "eval/tuned/accuracy"):
         assert key in final, sorted(final)
     assert final["eval/next_line/examples"] == 12.0 and final["eval/probe/examples"] == 48.0
+    assert "eval/mt/bleu" in final, sorted(final)
     assert {k: v for k, v in a["returned"].items() if k.startswith("eval/")} == {
         k: v for k, v in final.items() if k.startswith("eval/")
     }
     # the CSV log (rank 0's) has every evaluation at the initial weights, the validation and the end
     rows = read_metrics(run)
-    for name in ("text", "probe", "tuned", "next_line"):
+    for name in ("text", "probe", "tuned", "next_line", "mt"):
         assert sorted(int(r["step"]) for r in rows if f"eval/{name}/seconds" in r) == EVAL_STEPS, name
 
 

@@ -194,6 +194,16 @@ def gathered_parameters(module: nn.Module):
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import FSDPModule
     units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    # FSDP2 takes the first unit whose forward runs as the root of its tree (lazy init) and then
+    # refuses a forward through an outer unit. Before the first training step (the step-0
+    # evaluations) nothing has run yet, and an evaluation that calls a part of the model (the
+    # classify probe reads `model.transformer`) would make an inner Block its own root: training's
+    # forward then fails with "FSDP state has already been lazily initialized". So the outermost
+    # units are made roots here, as their first forward would; once done this is a no-op.
+    inner = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
+    for unit in units:
+        if id(unit) not in inner:
+            unit._get_fsdp_state()._lazy_init()
     saved = []
     for unit in units:
         state = unit._get_fsdp_state()
