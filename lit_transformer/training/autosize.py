@@ -122,13 +122,39 @@ def resolve_auto(
     inherited = json.loads(os.environ.get(ENV, "{}"))
     if not is_main_process() and inherited.get("run_dir") == cfg.run.dir:
         return complete_model(auto.apply(cfg, inherited["values"]), "recipe")
-    world = preflight.processes_per_node(cfg.trainer) * cfg.trainer.num_nodes
+    if _joined_group():
+        # A later run of a job whose ranks are already started (a script or sweep that trains
+        # again): the launcher passed no values for it, so rank 0 resolves and the others take its
+        # values (or its error), where each measuring its own speed could size another model
+        import torch.distributed as dist
+
+        outcome: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                outcome = [_resolve_values(cfg, keys, measure, quiet)]
+            except Exception as error:  # the other ranks wait on the broadcast: they raise it too
+                outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return complete_model(auto.apply(cfg, outcome[0]), "recipe")
     if cfg.trainer.max_time is not None and _started_together():
         raise RecipeError(
             f"{keys[0]}=auto measures this machine's speed, and every process of a torchrun or srun job would "
             "measure its own: resolve once with `lit-transformer pretrain RECIPE --print-config > resolved.yaml` "
             "and start the job on resolved.yaml"
         )
+    values = _resolve_values(cfg, keys, measure, quiet)
+    # the processes Lightning starts for this run (they are not the main process) take these
+    os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
+    return complete_model(auto.apply(cfg, values), "recipe")
+
+
+def _resolve_values(
+    cfg: RunConfig, keys: list[str], measure: Callable[[TransformerConfig, RunConfig], float], quiet: bool
+) -> dict:
+    """The plain value of each `auto` key: measured and chosen on this process."""
+    world = preflight.processes_per_node(cfg.trainer) * cfg.trainer.num_nodes
     base = build_model_config(auto.stand_in(cfg), "recipe")
     corpus = corpus_bytes(cfg)
     flops = None
@@ -153,10 +179,7 @@ def resolve_auto(
     if not quiet and is_main_process():
         speed = f" at {flops / 1e9:.2f} GFLOP/s measured" if flops is not None else ""
         print(f"{resolved.summary()}{speed}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
-    out = complete_model(auto.apply(cfg, resolved.values), "recipe")
-    # the processes Lightning starts for this run (they are not the main process) take these
-    os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": resolved.values})
-    return out
+    return resolved.values
 
 
 def _saved_values(cfg: RunConfig, keys: list[str]) -> dict | None:
@@ -175,6 +198,13 @@ def _saved_values(cfg: RunConfig, keys: list[str]) -> dict | None:
     if is_main_process():
         print(f"auto: resuming with the values {saved} recorded", file=sys.stderr)
     return values
+
+
+def _joined_group() -> bool:
+    """Whether this process is already one of several ranks of a started process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _started_together() -> bool:
