@@ -276,6 +276,24 @@ def test_linear_generation_with_the_recurrent_state_equals_recomputation(positio
     assert state.state.shape == (2, 3, 3, 8, 8)  # (L, B, H, D, D) whatever the length
 
 
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_linear_decoding_in_bfloat16_under_a_bfloat16_default_dtype(arch):
+    """Lightning's bf16-true makes bfloat16 the default dtype around every step: the recurrent
+    state must still be float32, the dtype of the features it sums, or the validation's BLEU
+    decoding of a bf16-true seq2seq run fails (the option-pairs matrix found it)."""
+    lm = seeded_model(tiny_config(arch, position="sinusoidal", attention_kind="linear")).to(torch.bfloat16)
+    ids = torch.randint(0, V, (3, 6))
+    extra = {"decoder_start_token_id": 0} if arch == "encoder_decoder" else {}
+    expected = generate(lm, ids, max_new_tokens=4, **extra)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert lm.transformer.new_cache(3).state.dtype == torch.float32
+        assert torch.equal(generate(lm, ids, max_new_tokens=4, **extra), expected)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_a_linear_encoder_ignores_padding():
     cfg = tiny_config("encoder", attention_kind="linear")
     lm = seeded_model(cfg)
