@@ -218,3 +218,22 @@ def test_read_metrics_prefers_the_later_segment(tmp_path):
         folder.mkdir(parents=True)
         (folder / "metrics.csv").write_text(rows)
     assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path)] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0)]
+
+
+def test_read_metrics_keeps_the_validation_at_the_step_a_run_resumed_from(tmp_path):
+    """A run stopped after 2 steps validated and evaluated the weights of step 2 (logged at step
+    2); resumed, it logs its first step's loss at step 2 too, and nothing else there."""
+    versions = (
+        "step,train/loss,val/loss,eval/probe/accuracy\n0,5.0,,\n1,4.0,,\n2,,3.9,0.5\n",
+        "step,train/loss,val/loss,eval/probe/accuracy\n2,3.5,,\n3,3.0,,\n4,,2.9,0.7\n",
+    )
+    for version, rows in enumerate(versions):
+        folder = tmp_path / "csv" / f"version_{version}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text(rows)
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r] == [(0, 5.0), (1, 4.0), (2, 3.5), (3, 3.0)]
+    assert [(r["step"], r["val/loss"], r["eval/probe/accuracy"]) for r in rows if "val/loss" in r] == [
+        (2, 3.9, 0.5),
+        (4, 2.9, 0.7),
+    ]

@@ -154,7 +154,11 @@ def clear_run_dir(run_dir: Path) -> None:
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, float]]:
     """Every CSV row of a run, all versions (a resumed run appends a version) in order; empty
-    cells dropped. Rows of a later version replace rows of the same step from an earlier one."""
+    cells dropped. A later version replaces what an earlier one logged from the step it starts
+    at: every row after that step, and at that step the values it logs again. A run resumed
+    from step N logs the loss of its first step at N, where the earlier version logged that step
+    too (or a killed run's replayed steps) but also its validation and evaluations of the
+    weights after N steps, which the resumed run does not repeat: those are kept."""
     rows: list[dict[str, float]] = []
     versions = sorted(Path(run_dir, CSV_DIR).glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     for version in versions:
@@ -165,6 +169,14 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, float]]:
             new = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(file)]
         first = min((r["step"] for r in new if "step" in r), default=None)
         if first is not None:
-            rows = [r for r in rows if r.get("step", -1) < first]
+            again = {k for r in new if r.get("step") == first for k in r} - {"step", "epoch"}
+            kept = []
+            for row in rows:
+                step = row.get("step", -1)
+                if step == first:
+                    row = {k: v for k, v in row.items() if k not in again}
+                if step < first or (step == first and set(row) - {"step", "epoch"}):
+                    kept.append(row)
+            rows = kept
         rows.extend(new)
     return rows
