@@ -49,6 +49,7 @@ import torch
 from helpers import RECIPES, TINY_RUN, keyword_task, run_two_ranks
 
 from lit_transformer.commands.cli import main
+from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
 
 
@@ -63,58 +64,165 @@ class Row:
     compile: str
     checkpointing: str
     accumulate: int
+    averaging: str
+    warmup: str
     refuses: str | None = None  # a refusal row: the key its one-line error names
 
     @property
     def id(self) -> str:
-        return "-".join(str(v) for v in astuple(self)[:9]).replace("_", "")
+        return "-".join(str(v) for v in astuple(self)[:11]).replace("_", "")
 
 
 R = Row
 ROWS = [
-    # objective  attention         data         strategy  precision     gen    compile ckpt   accumulate
+    # objective  attention         data         strategy  precision     gen    compile ckpt  accumulate averaging warmup
     # compile rows first: each single-process one compiles its blocks (cold); the ddp and fsdp
     # ones repeat the graphs of the second and first row, which inductor's disk cache then serves
-    R("mlm", "document_mask", "streaming", "single", "bf16-true", "off", "on", "on", 2),
-    R("clm", "linear", "packed", "single", "bf16-mixed", "on", "on", "off", 1),
-    R("span", "sliding_window", "streaming", "single", "32-true", "off", "on", "off", 2),
-    R("classify", "full", "packed", "single", "32-true", "off", "on", "on", 1),
-    R("clm", "linear", "streaming", "ddp", "bf16-mixed", "on", "on", "off", 2),
-    R("mlm", "document_mask", "packed", "fsdp", "bf16-true", "off", "on", "on", 1),
+    R("mlm", "document_mask", "packed", "single", "bf16-true", "off", "on", "on", 2, "off", "off"),
+    R("clm", "linear", "store", "single", "bf16-mixed", "on", "on", "off", 1, "last", "off"),
+    R("span", "sliding_window", "streaming", "single", "32-true", "off", "on", "off", 2, "ema", "off"),
+    R("classify", "full", "packed", "single", "32-true", "off", "on", "on", 1, "last", "off"),
+    R("clm", "linear", "streaming", "ddp", "bf16-mixed", "on", "on", "off", 2, "off", "off"),
+    R("mlm", "document_mask", "streaming", "fsdp", "bf16-true", "off", "on", "on", 1, "last", "off"),
     # the rest, found by a greedy pairwise search with compile off
-    R("seq2seq", "sliding_window", "packed", "ddp", "bf16-true", "on", "off", "on", 1),
-    R("span", "full", "streaming", "fsdp", "bf16-mixed", "on", "off", "off", 2),
-    R("seq2seq", "linear", "packed", "fsdp", "32-true", "off", "off", "off", 2),
-    R("mlm", "document_mask", "streaming", "ddp", "bf16-mixed", "off", "off", "off", 1),
-    R("classify", "linear", "packed", "fsdp", "bf16-true", "off", "off", "off", 2),
-    R("clm", "sliding_window", "packed", "fsdp", "bf16-mixed", "off", "off", "on", 1),
-    R("span", "full", "packed", "ddp", "bf16-true", "off", "off", "on", 1),
-    R("clm", "document_mask", "streaming", "single", "32-true", "on", "off", "on", 1),
-    R("mlm", "linear", "packed", "ddp", "32-true", "off", "off", "on", 2),
-    R("classify", "sliding_window", "packed", "ddp", "bf16-mixed", "off", "off", "off", 2),
-    R("seq2seq", "full", "packed", "single", "bf16-mixed", "on", "off", "on", 2),
-    R("clm", "full", "streaming", "fsdp", "bf16-true", "on", "off", "on", 1),
-    R("mlm", "full", "streaming", "ddp", "bf16-true", "off", "off", "off", 2),
-    R("mlm", "sliding_window", "packed", "single", "32-true", "off", "off", "on", 2),
+    R("seq2seq", "sliding_window", "packed", "ddp", "32-true", "on", "off", "on", 1, "ema", "batch"),
+    R("clm", "full", "store", "fsdp", "bf16-true", "off", "off", "off", 1, "off", "seqlen"),
+    R("seq2seq", "linear", "packed", "fsdp", "bf16-mixed", "off", "off", "on", 2, "last", "batch"),
+    R("mlm", "full", "streaming", "ddp", "bf16-mixed", "off", "off", "on", 2, "ema", "seqlen"),
+    R("span", "sliding_window", "store", "ddp", "bf16-true", "on", "off", "on", 2, "off", "off"),
+    R("clm", "document_mask", "store", "single", "32-true", "on", "off", "on", 2, "ema", "seqlen"),
+    R("span", "sliding_window", "packed", "fsdp", "bf16-mixed", "on", "off", "off", 1, "last", "batch"),
+    R("classify", "full", "packed", "single", "bf16-true", "off", "off", "off", 2, "ema", "batch"),
+    R("mlm", "linear", "store", "ddp", "32-true", "off", "off", "off", 2, "last", "seqlen"),
+    R("seq2seq", "full", "packed", "ddp", "bf16-true", "on", "off", "off", 2, "off", "off"),
+    R("clm", "document_mask", "packed", "fsdp", "32-true", "on", "off", "off", 2, "off", "batch"),
+    R("classify", "linear", "packed", "fsdp", "bf16-mixed", "off", "off", "on", 2, "off", "batch"),
+    R("clm", "sliding_window", "packed", "single", "bf16-true", "on", "off", "off", 2, "ema", "seqlen"),
+    R("seq2seq", "linear", "packed", "single", "bf16-true", "on", "off", "on", 1, "ema", "off"),
+    R("mlm", "sliding_window", "packed", "single", "bf16-true", "off", "off", "off", 2, "ema", "batch"),
+    R("mlm", "document_mask", "packed", "ddp", "bf16-mixed", "off", "off", "off", 1, "last", "batch"),
+    R("classify", "sliding_window", "packed", "ddp", "bf16-true", "off", "off", "on", 2, "off", "off"),
+    R("span", "full", "streaming", "fsdp", "bf16-mixed", "on", "off", "on", 2, "last", "off"),
     # refusals at startup: exit status 2, one line naming the key
-    R("span", "linear", "packed", "single", "32-true", "off", "off", "off", 1, "model.attention_kind"),
-    R("span", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
-    R("seq2seq", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
-    R("classify", "document_mask", "packed", "single", "32-true", "off", "off", "off", 1, "data.document_mask"),
-    R("seq2seq", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "data.streaming"),
-    R("classify", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "data.streaming"),
+    R("span", "linear", "packed", "single", "32-true", "off", "off", "off", 1, "off", "off", "model.attention_kind"),
+    R(
+        "span",
+        "document_mask",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "off",
+        "data.document_mask",
+    ),
+    R(
+        "seq2seq",
+        "document_mask",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "off",
+        "data.document_mask",
+    ),
+    R(
+        "classify",
+        "document_mask",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "off",
+        "data.document_mask",
+    ),
+    R("seq2seq", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "off", "off", "data.streaming"),
+    R("classify", "full", "streaming", "single", "32-true", "off", "off", "off", 1, "off", "off", "data.streaming"),
+    R("seq2seq", "full", "store", "single", "32-true", "off", "off", "off", 1, "off", "off", "data.store"),
+    R("classify", "full", "store", "single", "32-true", "off", "off", "off", 1, "off", "off", "data.store"),
+    R(
+        "span",
+        "full",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "seqlen",
+        "data.block_warmup_steps",
+    ),
+    R(
+        "seq2seq",
+        "full",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "seqlen",
+        "data.block_warmup_steps",
+    ),
+    R(
+        "classify",
+        "full",
+        "packed",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "seqlen",
+        "data.block_warmup_steps",
+    ),
+    R(
+        "mlm",
+        "full",
+        "streaming",
+        "single",
+        "32-true",
+        "off",
+        "off",
+        "off",
+        1,
+        "off",
+        "batch",
+        "data.batch_warmup_steps",
+    ),
+    R("mlm", "full", "store", "single", "32-true", "off", "off", "off", 1, "off", "batch", "data.batch_warmup_steps"),
+    R("mlm", "full", "packed", "fsdp", "32-true", "off", "off", "off", 1, "ema", "off", "trainer.ema_decay"),
 ]
 
 AXES = {
     "objective": ("mlm", "clm", "span", "seq2seq", "classify"),
     "attention": ("full", "sliding_window", "linear", "document_mask"),
-    "data": ("packed", "streaming"),
+    "data": ("packed", "streaming", "store"),
     "strategy": ("single", "ddp", "fsdp"),
     "precision": ("32-true", "bf16-mixed", "bf16-true"),
     "generation": ("off", "on"),
     "compile": ("off", "on"),
     "checkpointing": ("off", "on"),
     "accumulate": (1, 2),
+    "averaging": ("off", "ema", "last"),
+    "warmup": ("off", "seqlen", "batch"),
 }
 # Pairs the program refuses at startup (linear attention has no scores for T5's relative
 # bias; document masks need the clm/mlm collators' packed documents; streaming packs LM
@@ -126,13 +234,27 @@ REFUSED = {
     ("objective", "classify", "attention", "document_mask"),
     ("objective", "seq2seq", "data", "streaming"),
     ("objective", "classify", "data", "streaming"),
+    ("objective", "seq2seq", "data", "store"),
+    ("objective", "classify", "data", "store"),
+    ("objective", "span", "warmup", "seqlen"),
+    ("objective", "seq2seq", "warmup", "seqlen"),
+    ("objective", "classify", "warmup", "seqlen"),
+    ("data", "streaming", "warmup", "batch"),
+    ("data", "store", "warmup", "batch"),
+    ("strategy", "fsdp", "averaging", "ema"),
 }
 MEANINGLESS = {("objective", "mlm", "generation", "on"), ("objective", "classify", "generation", "on")}
 # Left out for cost, and the only such pair: compiling seq2seq's blocks took 140-180 s here
 # (source and target lengths vary per batch, so both stacks compile again for dynamic shapes,
 # in training and in eval), more than half the matrix's budget. The same encoder-decoder
 # Block (cross-attention included) compiles in the span row.
-EXCLUDED = {("objective", "seq2seq", "compile", "on")}
+# Compiling under a warmup is left out for the same reason: each row length (sequence-length
+# warmup) or batch size (batch warmup) of the first steps is another shape to compile.
+EXCLUDED = {
+    ("objective", "seq2seq", "compile", "on"),
+    ("compile", "on", "warmup", "seqlen"),
+    ("compile", "on", "warmup", "batch"),
+}
 
 RUNS = [row for row in ROWS if row.refuses is None]
 # finetune.from the first mlm and the first clm row of each strategy: six runs whose backbones
@@ -144,10 +266,10 @@ FINETUNE_FROM = {
 GENERATIVE = ("clm", "span", "seq2seq")
 
 STEPS, MORE = 5, 10  # stop after STEPS, resume to MORE; validation and a checkpoint every 5 steps
-# TINY_RUN with batch 4 and room for seq2seq and classification rows; each row sets its
-# vocabulary, precision and generation (overrides())
+# TINY_RUN with batch 4, room for seq2seq and classification rows and the recipes' named
+# evaluations; each row sets its vocabulary, precision, generation and the rest (overrides())
 SMALL = [
-    *TINY_RUN,
+    *(a for a in TINY_RUN if a != "eval=[]"),  # the tiny recipes' eval sections run, as shipped
     "data.batch_size=4",
     "data.max_length=24",
     "data.max_target_length=8",
@@ -167,6 +289,13 @@ SMALL = [
 ]
 VOCAB = {"mlm": 400, "clm": 400, "span": 420, "seq2seq": 400, "classify": 400}  # span adds sentinels
 ON = {"on": "true", "off": "false"}
+AVERAGING = {"off": [], "ema": ["trainer.ema_decay=0.9"], "last": ["trainer.average_last=2"]}  # checkpoints at 5, 10
+# a warmup over the first 4 steps: rows of 6, 12 then 24 tokens; batches of 1, 2 then 4 examples
+WARMUP = {
+    "off": [],
+    "seqlen": ["data.block_warmup_steps=4", "data.block_warmup_start=6"],
+    "batch": ["data.batch_warmup_steps=4", "data.batch_warmup_start=1"],
+}
 
 
 def overrides(row: Row) -> list[str]:
@@ -179,6 +308,9 @@ def overrides(row: Row) -> list[str]:
         out.append("data.document_mask=true")
     if row.data == "streaming":
         out.append("data.streaming=true")
+    elif row.data == "store":
+        out.append("data.store=litdata")
+    out += AVERAGING[row.averaging] + WARMUP[row.warmup]
     if row.strategy != "single":
         out += [f"trainer.strategy={row.strategy}", "trainer.devices=2"]
     return out + [
@@ -282,6 +414,14 @@ def check_run(row: Row, run_dir: Path) -> None:
         assert sum(losses[-3:]) < sum(losses[:3]), losses
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert math.isfinite(metrics["val/loss"]), metrics
+    # the recipe's named evaluations: on the initial weights, at each validation (the stopped
+    # run's last one and the resumed run's), their final numbers in metrics.json
+    rows = read_metrics(run_dir)
+    for entry in load_recipe(run_dir / "config.yaml").eval:
+        steps = sorted({int(r["step"]) for r in rows if f"eval/{entry.name}/seconds" in r})
+        assert steps == [0, STEPS, MORE], (entry.name, steps)
+        assert math.isfinite(metrics[f"eval/{entry.name}/examples"]), (entry.name, sorted(metrics))
+    assert (run_dir / "averaged.json").is_file() == (row.averaging == "last")
     assert ("val/bleu" in metrics) == (row.objective == "seq2seq" and row.generation == "on"), metrics
     samples = run_dir / "samples.jsonl"
     assert samples.is_file() == (row.objective in GENERATIVE and row.generation == "on")
@@ -330,7 +470,7 @@ def follow_up(row: Row, run_dir: Path, tmp: Path, capsys) -> None:
     final = json.loads((run_dir / "metrics.json").read_text())
     if row.strategy == "single" and row.precision == "32-true":  # the same weights on the same batch
         assert out["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
-    if row.strategy == "fsdp":  # the sharded checkpoint holds the final weights too
+    if row.strategy == "fsdp" and row.averaging != "last":  # the sharded checkpoint holds the final weights too
         assert main(["evaluate", str(run_dir / "checkpoints" / "last.ckpt"), "--json", "--max-batches", "1"]) == 0
         assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(out["loss"], rel=1e-5)
 
@@ -417,6 +557,7 @@ import json
 import sys
 
 from lit_transformer.commands.cli import main
+from lit_transformer.recipe.load import load_recipe
 
 for args in json.loads(open(sys.argv[1]).read()):
     code = main(args)
