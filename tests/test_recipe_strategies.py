@@ -47,8 +47,7 @@ PAPER_SCALE = (
 )
 CPU_RECIPES = tuple(name for name in ALL if name not in PAPER_SCALE)
 STRATEGIES = ("ddp", "fsdp")
-# named evaluations on the initial weights (step 0) and at the validation on the final weights;
-# a checkpoint every step, so that averaging recipes average two
+# named evaluations on the initial weights (step 0) and at the validation on the final weights
 STEPS = 2
 # examples per entry of an eval section; the classify probe's 8 packages need 48 rows to have
 # every dev label among the training rows
@@ -65,7 +64,7 @@ SHRINK = [
     "data.batch_size=4",  # per device
     f"trainer.max_steps={STEPS}",
     f"trainer.val_check_interval={STEPS}",
-    "trainer.checkpoint_every_n_steps=1",
+    f"trainer.checkpoint_every_n_steps={STEPS}",
     "trainer.limit_val_batches=1",
     "trainer.log_every_n_steps=1",
     "trainer.num_threads=1",
@@ -83,9 +82,12 @@ def refused(name: str, strategy: str) -> str | None:
 
 
 def shrink(name: str) -> list[str]:
-    """SHRINK, and the recipe-specific sizes: a token batch and BLEU's sentences for translation."""
+    """SHRINK, and the recipe-specific sizes: a token batch and BLEU's sentences for translation,
+    a checkpoint every step where the recipe averages the last ones (so that two are averaged)."""
     cfg = load_recipe(RECIPES / f"{name}.yaml")
     out = list(SHRINK)
+    if cfg.trainer.average_last:
+        out.append("trainer.checkpoint_every_n_steps=1")
     if cfg.data.batch_tokens is not None:
         out.append("data.batch_tokens=256")
     if cfg.objective.name == "seq2seq" and cfg.objective.bleu:
