@@ -55,12 +55,9 @@ class LinearState:
     def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, device: torch.device | str):
         # float32 named, not taken from the default dtype: Lightning's bf16-true sets that to
         # bfloat16 around each step, and the sums meet float32 features (feature_map)
-        self.state = torch.zeros(
-            n_layers, batch, heads, head_dim, head_dim, device=device, dtype=torch.float32
-        )  # (L, B, H, D, E)
-        self.normalizer = torch.zeros(
-            n_layers, batch, heads, head_dim, device=device, dtype=torch.float32
-        )  # (L, B, H, D)
+        rows = (n_layers, batch, heads, head_dim)
+        self.state = torch.zeros(*rows, head_dim, device=device, dtype=torch.float32)  # (L, B, H, D, E)
+        self.normalizer = torch.zeros(*rows, device=device, dtype=torch.float32)  # (L, B, H, D)
         self.cross: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.length = 0
 
