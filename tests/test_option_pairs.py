@@ -3,30 +3,37 @@
 Each row of ROWS below is one run: a few steps of a tiny configuration, stopped, resumed with
 `resume=auto` to a later step, then the commands that apply to what it left (`evaluate
 --json`, `generate`, `export`, and `finetune` from an mlm and a clm run of each strategy).
-Every row's output is checked, not only its exit code: training losses finite, starting at
-ln(vocabulary) and falling, validation metrics present, the resumed run continuing at the
-checkpoint's step, the files later commands read, exported weights computing the same logits
-in transformers, and a one-line error where a command does not apply.
+Every row keeps its tiny recipe's named evaluations (the eval section). Every row's output is
+checked, not only its exit code: training losses finite, starting at ln(vocabulary) and falling,
+validation metrics present, each evaluation at step 0 and at both validations, the resumed run
+continuing at the checkpoint's step, the files later commands read, exported weights computing
+the same logits in transformers, and a one-line error where a command does not apply.
 
 How to read the table: one column per axis; every pair of values of any two axes that may be
 combined appears together in at least one row (test_the_table_covers_every_valid_pair checks
-it, fast, without running anything). The full product would be 5,760 runs; 20 rows cover
-every pair but one, left out for its cost (EXCLUDED: compile with seq2seq). Where two values
+it, fast, without running anything). The full product would be 77,760 runs; 24 rows cover
+every pair but three, left out for their cost (EXCLUDED: compile with seq2seq or with either
+warmup). Where two values
 must not be combined the program refuses them at startup, and a refusal row (its last column
 names the key the one-line error must name) checks that refusal for exactly that pair. Values:
 
   attention   full; sliding_window = model.sliding_window=8 (+ model.global_tokens=1 on
               bidirectional stacks: Longformer); linear = model.attention_kind=linear;
               document_mask = data.document_mask=true (clm and mlm only)
-  data        packed = the token cache; streaming = data.streaming=true (mlm, clm, span only)
+  data        packed = the token cache; streaming = data.streaming=true; store =
+              data.store=litdata (both mlm, clm, span only)
   strategy    single = this process; ddp, fsdp = 2 CPU processes on gloo, one subprocess per
               strategy that trains its rows one after another (as tests/test_distributed.py)
   generation  on = sample generation at each validation (clm, span, seq2seq), and BLEU for
               seq2seq; mlm and classify generate nothing, so only `off` applies to them
   compile     trainer.compile (torch.compile per block); checkpointing =
               trainer.activation_checkpointing; accumulate = trainer.accumulate_grad_batches
+  averaging   ema = trainer.ema_decay (not under fsdp); last = trainer.average_last=2
+  warmup      seqlen = data.block_warmup_steps (clm, mlm only); batch = data.batch_warmup_steps
+              (not with streaming or the store)
 
-Cost: about 5 minutes on 2 cores with a cold inductor cache, 4 of them compiling. A cold
+Cost: about 5 minutes on 2 cores with a warm inductor cache, most of it compiling (the
+evaluations' shapes compile too). A cold
 torch.compile of a tiny block costs 20-60 s here (the eval-mode graph and generation's decoding
 shapes compile again), and more when two ranks compile at once on the same 2 cores. So the
 compile rows come first, in this process, and the ddp and fsdp compile rows repeat the graph
