@@ -117,3 +117,24 @@ def test_a_segment_still_being_written_is_left_for_later(tmp_path):
     segment(tmp_path, "20260101_000100", [record("header"), record("run")])
     assert fold_segments(tmp_path, "abc", wait_s=0) is None
     assert len(list(tmp_path.glob("offline-run-*"))) == 2
+
+
+def test_waiting_for_a_whole_log(tmp_path):
+    """finish_wandb waits for the newest segment's exit record before train() returns: wandb's
+    service writes the log after wandb.finish, and a reader that came first found it cut (the
+    suite's W&B test failed so, now and then, on a loaded machine)."""
+    import threading
+
+    from lit_transformer.training.wandb_offline import wait_until_written
+
+    assert not wait_until_written(tmp_path / "none", "abc")  # no offline folder: no wait
+    folder = segment(tmp_path, "20261127_080000", [record("run"), record("history", 0, 1.0)])
+    assert not wait_until_written(tmp_path, "abc", wait_s=0.3)  # no exit record yet
+    done = [record("run"), record("history", 0, 1.0), record("exit")]
+    writer = threading.Timer(0.3, write_records, (folder / "run-abc.wandb", HEADER, done))
+    writer.start()
+    try:
+        assert wait_until_written(tmp_path, "abc", wait_s=10)
+    finally:
+        writer.join()
+    assert read_records(folder / "run-abc.wandb")[1] == done

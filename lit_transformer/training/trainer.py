@@ -149,7 +149,8 @@ def build_loggers(cfg: RunConfig, run_dir: Path, resume: bool = False) -> list[L
 
 def finish_wandb(run_dir: Path | None = None) -> None:
     """Close the W&B run so the next run in this process starts its own (WandbLogger would
-    reuse it), then join the run's offline folders into one (a resumed run writes another)."""
+    reuse it), wait until its offline log is whole, then join the run's offline folders into one
+    (a resumed run writes another)."""
     if "wandb" in sys.modules:
         import wandb
 
@@ -157,10 +158,12 @@ def finish_wandb(run_dir: Path | None = None) -> None:
             wandb.finish()
     id_file = run_dir / WANDB_ID_FILE if run_dir is not None else None
     if id_file is not None and id_file.is_file() and is_main_process():
-        from lit_transformer.training.wandb_offline import fold_segments
+        from lit_transformer.training.wandb_offline import fold_segments, wait_until_written
 
         try:
-            fold_segments(run_dir / WANDB_DIR, id_file.read_text().strip())
+            run_id = id_file.read_text().strip()
+            wait_until_written(run_dir / WANDB_DIR, run_id)  # the run's log whole when train() returns
+            fold_segments(run_dir / WANDB_DIR, run_id)
         except Exception as error:  # a damaged log of a killed segment must not fail a finished run
             print(
                 f"W&B: could not join the offline folders of {run_dir / WANDB_DIR} ({error}); `wandb sync` each folder",

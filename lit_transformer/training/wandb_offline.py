@@ -134,6 +134,23 @@ def fold_segments(wandb_dir: Path, run_id: str, wait_s: float = 30.0) -> Path | 
     return first
 
 
+def wait_until_written(wandb_dir: Path, run_id: str, wait_s: float = 30.0) -> bool:
+    """Whether the newest offline folder of `run_id` holds its whole log (its `exit` record),
+    waiting up to `wait_s`: wandb's service writes it after `wandb.finish` returns, and a reader
+    (fold_segments, `wandb sync`, a test) that comes first finds it cut mid-record. False at once
+    for a run with no offline folder (online, or disabled)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    if not any(wandb_dir.glob(f"offline-run-*-{run_id}*")):
+        return False
+    deadline = time.monotonic() + wait_s
+    while not (found := segments(wandb_dir, run_id)):  # the folder is there, its log not yet
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return _ended(pb, found[-1] / f"run-{run_id}.wandb", max(0.0, deadline - time.monotonic()))
+
+
 def _ended(pb, log: Path, wait_s: float) -> bool:
     deadline = time.monotonic() + wait_s
     while True:
