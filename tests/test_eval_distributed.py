@@ -1,6 +1,7 @@
 """Named evaluations in distributed training: 2 CPU processes (gloo) under DDP and FSDP2 against one
 process with the same global batch, on a UniLM mixture with one entry of each kind a decoder
-takes (heldout, classify linear and finetune, choice).
+takes (classify linear and finetune first, as the shipped recipes order them, then choice,
+heldout and translate).
 
 Every rank runs every evaluation on gathered weights and keeps rank 0's numbers: the runs must
 finish (no rank waits on a collective the other skips), every rank must hold the same numbers,

@@ -18,6 +18,7 @@ every test passed, because the distributed tests ran their own trimmed configura
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -31,6 +32,7 @@ from lit_transformer.data.tokenizer import SpecialTokens
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.evaluation import EvalConfig
 from lit_transformer.recipe.load import load_recipe, to_dict
+from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training.rundir import read_metrics
 
 ALL = sorted(p.stem for p in RECIPES.glob("*.yaml"))
@@ -73,10 +75,16 @@ SHRINK = [
 ]
 
 
+@functools.cache
+def shipped(name: str) -> RunConfig:
+    """The recipe as shipped, read once."""
+    return load_recipe(RECIPES / f"{name}.yaml")
+
+
 def refused(name: str, strategy: str) -> str | None:
     """The key a recipe's one-line refusal names under `strategy`, or None where it trains.
     Muon orthogonalises whole weight matrices, which FSDP2 shards (docs/scaling.md)."""
-    if strategy == "fsdp" and load_recipe(RECIPES / f"{name}.yaml").optim.optimizer == "muon":
+    if strategy == "fsdp" and shipped(name).optim.optimizer == "muon":
         return "optim.optimizer=muon"
     return None
 
@@ -84,7 +92,7 @@ def refused(name: str, strategy: str) -> str | None:
 def shrink(name: str) -> list[str]:
     """SHRINK, and the recipe-specific sizes: a token batch and BLEU's sentences for translation,
     a checkpoint every step where the recipe averages the last ones (so that two are averaged)."""
-    cfg = load_recipe(RECIPES / f"{name}.yaml")
+    cfg = shipped(name)
     out = list(SHRINK)
     if cfg.trainer.average_last:
         out.append("trainer.checkpoint_every_n_steps=1")
@@ -98,7 +106,7 @@ def shrink(name: str) -> list[str]:
 def capped_recipe(name: str, folder: Path) -> Path:
     """The shipped recipe with each eval entry capped to a few examples (a recipe that
     extends it and restates its eval section; an override cannot reach into the list)."""
-    cfg = load_recipe(RECIPES / f"{name}.yaml")
+    cfg = shipped(name)
     if not cfg.eval:
         return RECIPES / f"{name}.yaml"
     defaults = {
@@ -120,8 +128,7 @@ def commands(strategy: str, out: Path) -> list[list[str]]:
     order = sorted(CPU_RECIPES, key=lambda name: name in FROM_RUN)
     out_args = []
     for name in order:
-        cfg = load_recipe(RECIPES / f"{name}.yaml")
-        command = "finetune" if cfg.objective.name == "classify" else "pretrain"
+        command = "finetune" if shipped(name).objective.name == "classify" else "pretrain"
         args = [command, str(capped_recipe(name, out)), *shrink(name), f"run.dir={out / name}"]
         args += [f"trainer.strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu"]
         if name in FROM_RUN:
@@ -189,14 +196,16 @@ def test_every_recipe_is_in_one_list():
 @pytest.mark.parametrize("name", CPU_RECIPES)
 def test_recipe_trains_as_shipped(request, name, strategy):
     out, failure = request.getfixturevalue(strategy)
-    run_dir = out / name
+    run_dir, refusal_file = out / name, out / f"{name}.refused"
     refusal = refused(name, strategy)
     if refusal is not None:  # one line naming the key, and nothing written
-        err = (out / f"{name}.refused").read_text().strip()
+        err = refusal_file.read_text().strip()
         assert err.startswith("error: ") and "\n" not in err and refusal in err, err
         assert not run_dir.exists()
         return
-    assert (run_dir / "metrics.json").is_file(), f"{name} under {strategy} did not finish: {failure}"
+    said = refusal_file.read_text().strip() if refusal_file.is_file() else failure
+    finished = (run_dir / "metrics.json").is_file() and not refusal_file.is_file()
+    assert finished, f"{name} under {strategy} did not finish: {said}"
     cfg = load_recipe(run_dir / "config.yaml")
     assert cfg.trainer.strategy == strategy and cfg.trainer.max_steps == STEPS
     metrics = json.loads((run_dir / "metrics.json").read_text())
