@@ -71,7 +71,7 @@ def make_setup(family: str, *, layers: int, seq_len: int, batch: int) -> Setup:
         cfg = preset("gpt2-small", n_layers=layers, max_seq_len=max(1024, seq_len), **no_dropout)
         return Setup(family, cfg, batch, seq_len)
     if family == "t5_span":
-        from lit_transformer.data.span import span_lengths
+        from lit_transformer.data.batches.span import span_lengths
 
         cfg = preset("t5-base", n_layers=layers, max_seq_len=max(512, seq_len), **no_dropout)
         return Setup(family, cfg, batch, seq_len, span_lengths(seq_len).target_length)
@@ -207,7 +207,7 @@ def build_ours(setup: Setup, device: str, precision: str, compile: bool = False)
     # skip_nonfinite=False: the guard costs a host sync that transformers' loop does not pay either.
     module = kind(setup.cfg, skip_nonfinite=False, **extra).to(device=device, dtype=weight_dtype(precision))
     module.train()
-    module.compile_blocks = compile  # the constructor's `compile` option (base.py) sets this
+    module.compile_blocks = compile  # the constructor's `compile` option (objective_base.py) sets this
     module.configure_model()
     optimizer = make_optimizer(module.parameters())
     return Side(module, optimizer, _train_step(lambda b: module.training_step(b, 0), optimizer, device, precision))
@@ -215,10 +215,10 @@ def build_ours(setup: Setup, device: str, precision: str, compile: bool = False)
 
 # ----------------------------------------------------------------------------- transformers
 def hf_config(cfg: TransformerConfig):
-    """transformers' config of the same model, through our export mapping (interop_maps)."""
+    """transformers' config of the same model, through our export mapping (model/interop/export_maps.py)."""
     import transformers
 
-    from lit_transformer.model.interop_maps import family_for_export
+    from lit_transformer.model.interop.import_maps import family_for_export
 
     family = family_for_export(cfg)
     values = family.config_to_hf(cfg)
@@ -264,8 +264,8 @@ def hf_inputs(setup: Setup, batch: dict[str, torch.Tensor]) -> dict:
 
 def load_ours_into_hf(ours, hf_model) -> None:
     """Our weights in transformers' names (interop's export mapping)."""
-    from lit_transformer.model.interop_maps import family_for_export
-    from lit_transformer.model.interop_rules import to_hf
+    from lit_transformer.model.interop.import_maps import family_for_export
+    from lit_transformer.model.interop.rules import to_hf
 
     family = family_for_export(ours.config)
     state = dict(ours.state_dict())

@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from lit_transformer.data import pack  # noqa: E402
-from lit_transformer.data.fast_encode import WordEncoder  # noqa: E402
-from lit_transformer.data.pack import fast_copy  # noqa: E402
-from lit_transformer.data.prepare import build  # noqa: E402
-from lit_transformer.data.settings import DataConfig, TokenizerConfig  # noqa: E402
+from lit_transformer.data.data_config import DataConfig, TokenizerConfig  # noqa: E402
+from lit_transformer.data.tokens.fast_encode import WordEncoder  # noqa: E402
+from lit_transformer.data.tokens.pack import fast_copy  # noqa: E402
+from lit_transformer.data.tokens.prepare import build  # noqa: E402
 
 
 def _cpu_seconds() -> np.ndarray:
@@ -93,8 +93,8 @@ def main() -> dict:
 
         # 1. tokenizer training (cached afterwards under the same cache root)
         t0 = time.perf_counter()
-        from lit_transformer.data.corpus import build_sources
-        from lit_transformer.data.prepare import resolve_tokenizer
+        from lit_transformer.data.sources.corpus import build_sources
+        from lit_transformer.data.tokens.prepare import resolve_tokenizer
 
         resolve_tokenizer(data, tok, build_sources(data, args.objective), build=True)
         train_s = time.perf_counter() - t0

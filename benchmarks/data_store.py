@@ -137,7 +137,7 @@ def resume_child(fraction: float, overrides: list[str]) -> None:
     """Open the prepared data, restore (epoch 0, k batches) and time the first batch; one JSON line."""
     import litdata
 
-    from lit_transformer.data.module import TextDataModule
+    from lit_transformer.data.modules.text_module import TextDataModule
     from lit_transformer.recipe.load import load_recipe
 
     cfg = load_recipe(REPO / "recipes" / "tiny-clm.yaml", overrides)

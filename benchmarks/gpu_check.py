@@ -446,7 +446,7 @@ def graph_against_eager(model, prompt: torch.Tensor) -> dict:
 def check_peak_memory(ctx: Context) -> dict:
     if not ctx.cuda:
         return {"status": "skip", "detail": "CPU: torch.cuda.max_memory_allocated exists on CUDA only"}
-    from lit_transformer.data.settings import DataConfig
+    from lit_transformer.data.data_config import DataConfig
     from lit_transformer.recipe.schema import TrainerConfig
     from lit_transformer.training.preflight import estimate
 

@@ -87,7 +87,7 @@ def corpus_files(name: str, data_dir: Path, out: Path) -> tuple[Path, Path]:
     overrides = corpus_overrides(name, data_dir)
     if overrides[0] != "data.train_files=[]":
         return tuple(Path(o.split("=[", 1)[1].rstrip("]")) for o in overrides)  # type: ignore[return-value]
-    from lit_transformer.data.stdlib import corpus_split
+    from lit_transformer.data.sources.stdlib import corpus_split
 
     paths = (out / "stdlib-train.txt", out / "stdlib-valid.txt")
     for path, split in zip(paths, ("train", "validation")):

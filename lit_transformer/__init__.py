@@ -20,7 +20,7 @@ _EXPORTS = {
     "init_weights": "model.init",
     "GenerationConfig": "model.generate",
     "generate": "model.generate",
-    "InteropError": "model.interop_rules",
+    "InteropError": "model.interop.rules",
     "export_hf": "model.interop",
     "load_pretrained": "model.interop",
     "save_pretrained": "model.interop",

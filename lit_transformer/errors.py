@@ -1,8 +1,7 @@
 """The user errors that several layers raise, each shown as one line (`error: ...`, exit 2).
 
 A leaf: it imports nothing from the package, so every layer may import it. The bottom layers
-keep their own error types (`model.config.ConfigError`, `data.errors.DataError`) and share the
-message helpers below.
+share the message helpers below; the model keeps its own `model.config.ConfigError`.
 """
 
 from __future__ import annotations
@@ -12,6 +11,12 @@ import difflib
 
 class RecipeError(ValueError):
     """A recipe cannot be read: the one-line message names the file and the key."""
+
+
+class DataError(ValueError):
+    """Bad data or data settings: a missing path, an empty or binary file, a missing column, ...
+    One line naming the file, key or value at fault, so that a user can fix the recipe without
+    reading a traceback."""
 
 
 class RunError(ValueError):

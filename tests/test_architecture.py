@@ -152,7 +152,7 @@ def test_every_folder_says_what_lives_there_and_what_it_may_import():
 
 
 def test_every_objective_has_a_registered_class_and_a_data_kind():
-    from lit_transformer.data.settings import OBJECTIVES as DATA_KINDS
+    from lit_transformer.data.data_config import OBJECTIVES as DATA_KINDS
     from lit_transformer.objectives import ObjectiveBase, objective_class
 
     for name, spec in registry.SPECS.items():

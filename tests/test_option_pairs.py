@@ -23,7 +23,7 @@ names the key the one-line error must name) checks that refusal for exactly that
   data        packed = the token cache; streaming = data.streaming=true; store =
               data.store=litdata (both mlm, clm, span only)
   strategy    single = this process; ddp, fsdp = 2 CPU processes on gloo, one subprocess per
-              strategy that trains its rows one after another (as tests/test_distributed.py)
+              strategy that trains its rows one after another (as tests/training/test_distributed.py)
   generation  on = sample generation at each validation (clm, span, seq2seq), and BLEU for
               seq2seq; mlm and classify generate nothing, so only `off` applies to them
   compile     trainer.compile (torch.compile per block); checkpointing =
@@ -455,7 +455,7 @@ HF_CLASS = {"mlm": "AutoModelForMaskedLM", "clm": "AutoModelForCausalLM", "span"
 
 def check_export(row: Row, run_dir: Path, out: Path) -> None:
     """The exported directory computes the run's model: same logits in transformers."""
-    from lit_transformer.model.interop import load_pretrained
+    from lit_transformer.model.interop.directories import load_pretrained
 
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     transformers = pytest.importorskip("transformers", reason="reading the export back needs the dev extra")
@@ -502,7 +502,7 @@ def follow_up(row: Row, run_dir: Path, tmp: Path, capsys) -> None:
 def finetune(source: Path, run_dir: Path, capsys) -> None:
     """A classifier fine-tuned from the run learns a keyword task (chance 1/3) through the
     backbone, whose config it keeps, attention options included."""
-    from lit_transformer.model.interop import load_pretrained
+    from lit_transformer.model.interop.directories import load_pretrained
 
     args = [
         "finetune",

@@ -28,9 +28,9 @@ import torch
 import yaml
 from helpers import RECIPES, run_two_ranks
 
-from lit_transformer.data.tokenizer import SpecialTokens
+from lit_transformer.data.tokens.tokenizer import SpecialTokens
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.load import load_recipe, to_dict
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training.rundir import read_metrics

@@ -366,10 +366,10 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = load_recipe(args.recipe, args.overrides)
         if args.print_config:
-            from lit_transformer.recipe.auto import auto_keys
+            from lit_transformer.recipe.auto_rules import auto_keys
 
             if auto_keys(cfg) and cfg.finetune.from_ is None:  # as the run would resolve them (it measures)
-                from lit_transformer.training.autosize import resolve_auto
+                from lit_transformer.training.auto_resolve import resolve_auto
 
                 cfg = resolve_auto(cfg)
             print(to_yaml(cfg), end="")
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(comparison.values) if args.json else to_markdown(comparison))
         return 0
     if args.command == "evaluate" and _suite_requested(args):
-        from lit_transformer.commands.suite import evaluate_suite
+        from lit_transformer.commands.evaluate import evaluate_suite
 
         result = evaluate_suite(
             args.target,
@@ -478,7 +478,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from lit_transformer.data.errors import DataError
+    from lit_transformer.errors import DataError
     from lit_transformer.model.config import ConfigError
 
     args = build_parser().parse_args(argv)

@@ -68,8 +68,8 @@ def evaluate(
 
     A mixture run reports every task's metrics as `<task>/<metric>` (clm/bits_per_byte); with
     `task`, that task's alone under the single objective's keys. `max_batches` counts per task."""
-    from lit_transformer.data.corpus import build_sources
-    from lit_transformer.data.files import ReadStats
+    from lit_transformer.data.sources.corpus import build_sources
+    from lit_transformer.data.sources.files import ReadStats
     from lit_transformer.objectives import evaluate_batches
 
     check_batching(batch_size, batch_tokens)
@@ -182,7 +182,7 @@ def batch_generator(
     to generate from text. A decoder may read the prompt bidirectionally (a prefix, as a
     mixture's prefix LM trained it); a mode token (a mixture's, e.g. [S2S]) is put before every
     prompt; show_prompt: a decoder's outputs start with their prompt."""
-    from lit_transformer.data.tokenizer import SpecialTokens, load_tokenizer
+    from lit_transformer.data.tokens.tokenizer import SpecialTokens, load_tokenizer
 
     source = resolve_source(target)
     if source.tokenizer is None:
@@ -348,8 +348,8 @@ def generate_file(
 
 def export(target: str, out: str, fmt: str = "hf") -> Path:
     """A transformers directory (config.json, model.safetensors, tokenizer.json) of a run's model."""
-    from lit_transformer.data.tokenizer import SpecialTokens, load_tokenizer
-    from lit_transformer.model.interop import InteropError, export_hf
+    from lit_transformer.data.tokens.tokenizer import SpecialTokens, load_tokenizer
+    from lit_transformer.model.interop.directories import InteropError, export_hf
 
     if fmt != "hf":
         raise RunError(f"--format {fmt}: the only export format is hf")

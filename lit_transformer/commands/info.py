@@ -24,7 +24,7 @@ from lit_transformer.model.accounting import (
     train_flops,
 )
 from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
-from lit_transformer.recipe.auto import auto_keys
+from lit_transformer.recipe.auto_rules import auto_keys
 from lit_transformer.recipe.load import load_recipe, model_config, model_overrides
 
 BF16_BYTES = 2
@@ -32,12 +32,12 @@ BF16_BYTES = 2
 
 @functools.lru_cache(maxsize=4)
 def resolved_recipe(target: str, overrides: tuple[str, ...]):
-    """load_recipe, with `auto` values resolved as a run would resolve them (recipe/auto.py; this
+    """load_recipe, with `auto` values resolved as a run would resolve them (recipe/auto_rules.py; this
     measures the step speed, so once per recipe and overrides)."""
     recipe = load_recipe(target, overrides)
     if not auto_keys(recipe):
         return recipe
-    from lit_transformer.training.autosize import resolve_auto  # torch: only for a recipe with auto values
+    from lit_transformer.training.auto_resolve import resolve_auto  # torch: only for a recipe with auto values
 
     return resolve_auto(recipe)
 
@@ -170,7 +170,7 @@ def plan(
     if not os.path.isfile(target):
         raise RecipeError(f"{target}: --plan needs a recipe (a preset has no trainer or data section)")
     # preflight and pack import torch: only a plan pays for it, so that plain `info` stays light
-    from lit_transformer.data.pack import token_dtype
+    from lit_transformer.data.tokens.pack import token_dtype
     from lit_transformer.recipe.load import longest_input
     from lit_transformer.training import preflight
 

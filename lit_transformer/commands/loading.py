@@ -21,7 +21,7 @@ import torch
 from lit_transformer import objectives
 from lit_transformer.errors import RunError
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.model.interop import InteropError, load_pretrained, read_safetensors, save_pretrained
+from lit_transformer.model.interop.directories import InteropError, load_pretrained, read_safetensors, save_pretrained
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import load_recipe

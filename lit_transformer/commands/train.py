@@ -31,10 +31,10 @@ from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import check_fits, longest_input, model_config, model_overrides, save_config
-from lit_transformer.recipe.mixture import task_data, trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.tasks import task_data, trains_bidirectional_mode
 from lit_transformer.training import preflight
-from lit_transformer.training.autosize import cpu_threads, resolve_auto
+from lit_transformer.training.auto_resolve import cpu_threads, resolve_auto
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
 from lit_transformer.training.checkpoints import (
     ResumeCounters,
@@ -50,7 +50,7 @@ from lit_transformer.training.trainer import build_trainer, finish_wandb
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill what a recipe leaves to the start of the run: its `auto` values (training.autosize),
+    """Fill what a recipe leaves to the start of the run: its `auto` values (training.auto_resolve),
     and what it may leave to its fine-tuning source: the source's tokenizer, and how a decoder
     reads text (bidirectionally when the source is a mixture that trained that mode)."""
     if cfg.finetune.from_ is None:
@@ -301,8 +301,8 @@ def sample_fn(cfg: RunConfig, dm):
 def prepare(cfg: RunConfig) -> dict[str, Any]:
     """Train or load the tokenizer and fill the token cache (every task's, for a mixture);
     writes tokenizer.json and config.yaml."""
-    from lit_transformer.data.prepare import format_summary
-    from lit_transformer.data.prepare import prepare as prepare_data
+    from lit_transformer.data.tokens.prepare import format_summary
+    from lit_transformer.data.tokens.prepare import prepare as prepare_data
 
     cfg = resolve(cfg)
     run_dir = Path(cfg.run.dir)

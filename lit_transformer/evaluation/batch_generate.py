@@ -360,7 +360,7 @@ def count_inputs(path: Path) -> int | None:
     may span lines."""
     if input_format(path) not in ("text", "jsonl"):
         return None
-    from lit_transformer.data.files import count_lines
+    from lit_transformer.data.sources.files import count_lines
 
     return count_lines(path)
 

@@ -19,10 +19,10 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_transformer.evaluation.base import EvalTarget, Evaluation
+from lit_transformer.evaluation.eval_target import EvalTarget, Evaluation
 from lit_transformer.evaluation.suite import run_suite
-from lit_transformer.recipe.mixture import trains_bidirectional_mode
 from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.tasks import trains_bidirectional_mode
 from lit_transformer.training.distributed import gathered_parameters
 
 

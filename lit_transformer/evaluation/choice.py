@@ -16,7 +16,7 @@ we add to the harness's pairs is what our models read in training: a decoder's t
 separator it was packed after (the harness's prefix token for an empty context), an encoder's
 source ends in eos. Contexts that do not fit the model keep their last tokens (the harness's left
 truncation). With a mode token (a UL2 mixture's [NLU], [NLG], [S2S]: the entry's `mode_token`) the
-input starts with it, where data/prefix.py's TaskCollator put it in training: before a decoder's
+input starts with it, where data/batches/prefix.py's TaskCollator put it in training: before a decoder's
 separator (inside a prefix LM's prefix), first in an encoder-decoder's source; left truncation
 keeps it and cuts the context after it.
 
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from lit_transformer.data.collate import pad
+from lit_transformer.data.batches.collate import pad
 from lit_transformer.errors import RunError
-from lit_transformer.evaluation.base import EvalTarget
 from lit_transformer.evaluation.embedded_choice import embedded_rows
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.evaluation.eval_target import EvalTarget
+from lit_transformer.recipe.eval_schema import EvalConfig
 
 BATCH_SIZE = 32  # rows (context, choice) per forward: four-choice questions eight at a time
 
@@ -202,7 +202,7 @@ def score_decoder(
             prefix = None
             if prefix_lm:
                 # the context's tokens in the window; the continuation's first token is predicted
-                # from the prefix's last position, as in training (data/prefix.py)
+                # from the prefix's last position, as in training (data/batches/prefix.py)
                 prefix = torch.tensor([max(len(windows[i]) - len(pairs[i][1]), 0) for i in rows], device=ids.device)
             logits = model.logits_at(ids, mask, selected, prefix_lengths=prefix)  # (N, V), row-major
             targets = torch.cat([torch.tensor(windows[i][-scored[i] :]) for i in rows]).to(ids.device)  # (N,)

@@ -15,7 +15,7 @@ files as a classify run's train and validation files: every format, column and b
 of `finetune`), once, in `build`, before training starts; they are tokenised at the first call,
 when the tokenizer is known. Metrics: accuracy, macro_f1, examples (dev rows).
 
-With the entry's `mode_token` every row starts with it, as data/prefix.py's TaskCollator put it
+With the entry's `mode_token` every row starts with it, as data/batches/prefix.py's TaskCollator put it
 before a mixture task's inputs: the row's first token (type 0, attention 1, inside a bidirectional
 decoder's prefix, first in an encoder-decoder's encoder), the text truncated one token shorter.
 
@@ -34,19 +34,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lit_transformer.data import pack
-from lit_transformer.data.collate import ClassifyCollator
-from lit_transformer.data.corpus import SplitSource, build_sources
-from lit_transformer.data.errors import DataError
-from lit_transformer.data.files import ReadStats
-from lit_transformer.data.settings import DataConfig
-from lit_transformer.evaluation.base import EvalTarget
+from lit_transformer.data.batches.collate import ClassifyCollator
+from lit_transformer.data.data_config import DataConfig
+from lit_transformer.data.sources.corpus import SplitSource, build_sources
+from lit_transformer.data.sources.files import ReadStats
+from lit_transformer.data.tokens import pack
+from lit_transformer.errors import DataError
 from lit_transformer.evaluation.choice import ModeToken
+from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.model.heads import ClassificationHead, pool
 from lit_transformer.model.init import init_weights
 from lit_transformer.model.transformer import Transformer
 from lit_transformer.objectives.classifier import DEFAULT_POOLING
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
 
 # A fixed seed for the finetune probe's shuffling, head initialisation and dropout: every
@@ -249,7 +249,7 @@ class ClassifyProbe:
         collate = ClassifyCollator(special=target.special)
         # The run's global batch, not data.batch_size (per device): a probe trained on the
         # per-device batch gave a 2-device run other numbers than one device with the same
-        # global batch (tests/test_eval_distributed.py).
+        # global batch (tests/evaluation/test_eval_distributed.py).
         ranks = self.ranks
         if ranks is None:
             ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -20,7 +20,7 @@ import functools
 import random
 import re
 
-from lit_transformer.data import stdlib
+from lit_transformer.data.sources import stdlib
 
 CHOICES = 4
 MAX_ROWS = 200  # enough for a 7-point-wide 95% interval around chance, small enough to score in seconds

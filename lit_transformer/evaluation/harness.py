@@ -23,9 +23,9 @@ import numpy
 import torch
 
 from lit_transformer.errors import RunError, first_line
-from lit_transformer.evaluation.base import EvalTarget
 from lit_transformer.evaluation.batch_generate import BatchGenerator, ContextNotes, Decoding
 from lit_transformer.evaluation.choice import BATCH_SIZE, loglikelihoods, rolling_loglikelihoods
+from lit_transformer.evaluation.eval_target import EvalTarget
 
 MAX_GEN_TOKS = 256  # the harness's default for generate_until requests that do not say
 

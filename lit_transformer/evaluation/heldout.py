@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from lit_transformer.errors import RunError
-from lit_transformer.evaluation.base import EvalTarget
+from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
 
 # what evaluate and heldout report for the names the objectives log under val/ and test/
@@ -96,8 +96,8 @@ class Heldout:
 
     def __init__(self, entry: EvalConfig, cfg: RunConfig):
         import lit_transformer.objectives  # noqa: F401  (registers the objective classes)
-        from lit_transformer.data.errors import DataError
-        from lit_transformer.data.files import resolve_files
+        from lit_transformer.data.sources.files import resolve_files
+        from lit_transformer.errors import DataError
 
         self.entry = entry
         self.cfg = heldout_config(entry, cfg)

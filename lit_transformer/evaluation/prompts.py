@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from lit_transformer.data.collate import pad
+from lit_transformer.data.batches.collate import pad
 from lit_transformer.model.generate import generate
 from lit_transformer.recipe.registry import PromptStyle
 

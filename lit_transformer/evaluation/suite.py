@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from lit_transformer.evaluation import choice, classify, heldout, translate
-from lit_transformer.evaluation.base import EvalTarget, Evaluation
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.evaluation.eval_target import EvalTarget, Evaluation
+from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
 
 KINDS: dict[str, Callable[[EvalConfig, RunConfig], Evaluation]] = {

@@ -16,11 +16,11 @@ from __future__ import annotations
 from itertools import islice
 
 from lit_transformer.errors import RunError
-from lit_transformer.evaluation.base import EvalTarget
 from lit_transformer.evaluation.batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
 from lit_transformer.evaluation.choice import ModeToken
+from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.registry import PromptStyle
 from lit_transformer.recipe.schema import RunConfig
 
@@ -74,8 +74,8 @@ class Translate:
 def read_pairs(entry: EvalConfig, cfg: RunConfig) -> list[tuple[str, str]]:
     """(source, reference) lines of entry.files and entry.target_files, file by file, read as the
     data pipeline reads aligned files (a pair with a blank side is skipped); the first max_examples."""
-    from lit_transformer.data.errors import DataError
-    from lit_transformer.data.files import ReadStats, aligned_lines, count_lines, resolve_files
+    from lit_transformer.data.sources.files import ReadStats, aligned_lines, count_lines, resolve_files
+    from lit_transformer.errors import DataError
 
     try:
         sources = resolve_files(entry.files, f"eval.{entry.name}.files")

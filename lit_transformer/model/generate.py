@@ -5,7 +5,7 @@
 search functions only choose tokens. Decoder-only prompts are left-padded internally so every
 row appends at the same column; positions come from the attention mask, so padding shifts
 nothing. Without the cache every step recomputes the full forward: the reference the cache is
-tested against (tests/test_generate.py). On CPU the linear layers run on oneDNN-packed weights
+tested against (tests/model/test_generate.py). On CPU the linear layers run on oneDNN-packed weights
 while decoding (packed_linear.py); `benchmarks/generation.py` measures decoding against
 transformers' generate.
 
@@ -401,7 +401,7 @@ def beam_search(decoder: StepDecoder, config: GenerationConfig) -> torch.Tensor:
     divided by max_new_tokens ** length_penalty, otherwise by its current length (HF's
     early_stopping="never", which is exact rather than heuristic). A finished prompt leaves the
     batch: its rows are dropped from the decoder and the cache, so the model's work per step
-    shrinks as prompts finish. tests/test_generate.py checks token-for-token parity with
+    shrinks as prompts finish. tests/model/test_generate.py checks token-for-token parity with
     transformers' generate for GPT-2, LLaMA and T5.
     """
     N, G, lp = config.num_beams, config.max_new_tokens, config.length_penalty

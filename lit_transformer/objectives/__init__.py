@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from lit_transformer.objectives.base import ObjectiveBase
 from lit_transformer.objectives.causal_lm import CausalLM
 from lit_transformer.objectives.classifier import SequenceClassifier
 from lit_transformer.objectives.masked_lm import MaskedLM
 from lit_transformer.objectives.metrics import IGNORE_INDEX, bits_per_byte, token_cross_entropy
-from lit_transformer.objectives.mixture import MultiTaskLM
+from lit_transformer.objectives.multitask import MultiTaskLM
+from lit_transformer.objectives.objective_base import ObjectiveBase
 from lit_transformer.objectives.optim import lr_multiplier, make_scheduler, parameter_groups
 from lit_transformer.objectives.seq2seq import Seq2SeqLM
 from lit_transformer.recipe.registry import objective_class

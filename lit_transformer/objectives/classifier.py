@@ -30,8 +30,8 @@ from lit_transformer.model.heads import ClassificationHead
 from lit_transformer.model.init import init_weights
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.model.transformer import Transformer
-from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_model_config
 from lit_transformer.objectives.metrics import TokenAverage
+from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_model_config
 from lit_transformer.recipe.registry import implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 

@@ -20,9 +20,9 @@ import torch
 
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.objectives.base import ObjectiveBase, ObjectiveOptions, as_language_model
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
 from lit_transformer.objectives.metrics import IGNORE_INDEX, CorpusBLEU, TokenAverage, token_cross_entropy
+from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
 from lit_transformer.recipe.registry import implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 from lit_transformer.training.distributed import gathered_parameters

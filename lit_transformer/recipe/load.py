@@ -9,8 +9,8 @@ tokenizer.vocab_size, the size a trained tokenizer is capped at). It checks it a
 objective's needs from the registry and writes every field back into the `model` section, so
 the section alone determines the model and config.yaml records it whole. A fine-tuning recipe's
 model section stays a set of overrides on finetune.from's config (`model_overrides`). A recipe
-with `auto` values (recipe/auto.py) is checked here on a stand-in model and completed when the
-run starts (training.autosize.resolve_auto).
+with `auto` values (recipe/auto_rules.py) is checked here on a stand-in model and completed when the
+run starts (training.auto_resolve.resolve_auto).
 
 Every command reads recipes here: pretrain, finetune, prepare and info alike. Nothing here
 imports torch or Lightning.
@@ -29,13 +29,14 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf import errors as oc_errors
 
-from lit_transformer.data.errors import DataError
-from lit_transformer.data.settings import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES
-from lit_transformer.errors import RecipeError, closest, first_line
+from lit_transformer.data.data_config import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES
+from lit_transformer.errors import DataError, RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
-from lit_transformer.recipe import auto, mixture, registry
+from lit_transformer.recipe import auto_rules as auto
+from lit_transformer.recipe import registry
+from lit_transformer.recipe import tasks as mixture
 from lit_transformer.recipe.entries import build_entry, list_entries, literal_of
-from lit_transformer.recipe.evaluation import EvalConfig, eval_entries
+from lit_transformer.recipe.eval_schema import EvalConfig, eval_entries
 from lit_transformer.recipe.schema import (
     ALIASES,
     FinetuneConfig,
@@ -116,7 +117,7 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     auto.check(cfg, str(path))
     if cfg.finetune.from_ is not None:
         return cfg
-    if auto.auto_keys(cfg):  # resolved when the run starts (training.autosize): checked now on a stand-in
+    if auto.auto_keys(cfg):  # resolved when the run starts (training.auto_resolve): checked now on a stand-in
         check_fits(cfg, build_model_config(auto.stand_in(cfg), str(path)), str(path))
         return cfg
     return complete_model(cfg, str(path))
@@ -206,7 +207,9 @@ def tokenizer_vocab_size(cfg: RunConfig, source: str = "recipe") -> int:
     else tokenizer.vocab_size (a trained tokenizer has at most that many tokens)."""
     if cfg.tokenizer.path is None:
         return cfg.tokenizer.vocab_size
-    from lit_transformer.data.tokenizer import load_tokenizer  # the tokenizers library, only when a recipe names a file
+    from lit_transformer.data.tokens.tokenizer import (
+        load_tokenizer,  # the tokenizers library, only when a recipe names a file
+    )
 
     try:
         return load_tokenizer(cfg.tokenizer.path).get_vocab_size(with_added_tokens=True)
@@ -225,7 +228,8 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
         raise RecipeError("a fine-tuning recipe's model comes from finetune.from: load it with loading.load_backbone")
     if auto.auto_keys(cfg):
         raise RecipeError(
-            f"{', '.join(auto.auto_keys(cfg))} = auto: resolved when the run starts (training.autosize.resolve_auto)"
+            f"{', '.join(auto.auto_keys(cfg))} = auto: resolved when the run starts "
+            "(training.auto_resolve.resolve_auto)"
         )
     return TransformerConfig(**model_overrides(cfg))
 
@@ -406,7 +410,7 @@ def _check_tasks(tree: Any, source: str) -> None:
 
 
 def _check_eval(tree: Any, source: str) -> None:
-    """Each entry of an `eval:` list, as _check_tasks checks tasks (recipe/evaluation.py)."""
+    """Each entry of an `eval:` list, as _check_tasks checks tasks (recipe/eval_schema.py)."""
     if isinstance(tree, dict) and "eval" in tree:
         eval_entries(tree["eval"], source)
 

@@ -86,7 +86,7 @@ SPECS: dict[str, ObjectiveSpec] = {
             lm_head=False,
             precision="32-true",
         ),
-        # a recipe with `tasks:` (recipe/mixture.py): its tasks' data kinds and lengths are checked per task; a
+        # a recipe with `tasks:` (recipe/tasks.py): its tasks' data kinds and lengths are checked per task; a
         # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq)
         ObjectiveSpec(
             "mixture",

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from omegaconf import MISSING
 
-from lit_transformer.data.settings import DataConfig, TokenizerConfig
+from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.errors import RecipeError, closest
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.recipe.evaluation import EvalConfig
+from lit_transformer.recipe.eval_schema import EvalConfig
 
 Strategy = Literal["auto", "ddp", "fsdp"]
 Accelerator = Literal["auto", "cpu", "gpu", "cuda", "mps"]
@@ -34,7 +34,7 @@ Schedule = Literal["constant", "linear", "cosine", "wsd", "inverse_sqrt"]
 SCHEDULES = typing.get_args(Schedule)
 OptimizerName = Literal["adamw", "muon"]
 OPTIMIZERS = typing.get_args(OptimizerName)
-# what one task of a mixture trains (recipe/mixture.py): prefix_lm is bidirectional over a prefix and
+# what one task of a mixture trains (recipe/tasks.py): prefix_lm is bidirectional over a prefix and
 # causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder)
 TaskObjective = Literal["mlm", "clm", "prefix_lm", "span", "seq2seq"]
 # how a mixture's tasks are drawn (Raffel et al. 2020, 3.5.2): the tasks' weights, examples-
@@ -58,7 +58,7 @@ def need_positive_int(key: str, value: Any, *, optional: bool = False) -> None:
 # ----------------------------------------------------------------------------- sections
 
 _MODEL_HINTS = typing.get_type_hints(TransformerConfig)
-# model keys that may say "auto" besides model.size (recipe/auto.py)
+# model keys that may say "auto" besides model.size (recipe/auto_rules.py)
 _AUTO_MODEL_FIELDS = ("dropout",)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
@@ -71,7 +71,7 @@ ModelSection = dataclasses.make_dataclass(
 ModelSection.__doc__ = (
     "`preset` (a name from lit_transformer.PRESETS) plus any TransformerConfig field as an override; "
     "None keeps the preset's value. vocab_size defaults to the tokenizer's. `size: auto` chooses "
-    "the width and depth from the corpus and the budget (recipe/auto.py), as `dropout: auto` does dropout."
+    "the width and depth from the corpus and the budget (recipe/auto_rules.py), as `dropout: auto` does dropout."
 )
 
 
@@ -373,10 +373,10 @@ class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     generation: SampleGenerationConfig = field(default_factory=SampleGenerationConfig)
-    # a mixture of objectives on one set of weights (recipe/mixture.py); empty: the one objective.name
+    # a mixture of objectives on one set of weights (recipe/tasks.py); empty: the one objective.name
     tasks: list[TaskConfig] = field(default_factory=list)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
-    # named evaluations run at validation and by `evaluate --suite` (recipe/evaluation.py); empty: none
+    # named evaluations run at validation and by `evaluate --suite` (recipe/eval_schema.py); empty: none
     eval: list[EvalConfig] = field(default_factory=list)
     resume: str | None = None  # null | auto | path to a Lightning checkpoint
 

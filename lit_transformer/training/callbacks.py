@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
-from lit_transformer.data.collate import batch_generator
+from lit_transformer.data.batches.collate import batch_generator
 from lit_transformer.errors import RunError
 from lit_transformer.training.checkpoints import newest_complete
 from lit_transformer.training.distributed import gathered_parameters, is_sharded

@@ -250,7 +250,7 @@ def checkpoint_objective(checkpoint: dict[str, Any], path: str | os.PathLike) ->
 # ----------------------------------------------------------------------------- another layout
 #
 # A run saved on W ranks may resume on W' (trainer.devices, trainer.num_nodes): the data modules
-# save the layout their position was counted on and carry it (data/sampler.py), `accumulate_for`
+# save the layout their position was counted on and carry it (data/batches/sampler.py), `accumulate_for`
 # keeps the global batch, and `ResumeCounters` moves Lightning's batch counters to the carried
 # position, so that accumulation, validation every trainer.val_check_interval steps and the
 # epoch's end fall where they would have in a run on W' from the start.

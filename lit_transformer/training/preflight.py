@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_transformer.data.settings import DataConfig
+from lit_transformer.data.data_config import DataConfig
 from lit_transformer.errors import RecipeError
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.recipe.schema import TrainerConfig

@@ -1,0 +1,233 @@
+"""Multi-task pretraining: one LanguageModel trained on a mixture of tasks (UniLM, Dong et al.
+2019; UL2, Tay et al. 2022; T5's mixtures, Raffel et al. 2020, 3.5). Every training batch
+belongs to one task (batch["task"], the data module's MixtureBatchSampler draws one task per
+optimizer step, the same on every rank); the loss is that task's objective, computed by the
+same functions the single objectives use, so a mixture of one task trains exactly as the
+single objective does. The attention mode travels with the batch: a decoder's rows carry
+prefix_lengths (0 causal, p prefix, T bidirectional), and a batch without them keeps SDPA's
+fused causal path.
+
+Logged per task (besides the mixture's train/loss, train/lr, ...):
+  train/<task>/loss, train/<task>/ppl, train/<task>/bpb (clm and prefix_lm tasks: their loss
+  predicts the text in order, recipe.mixture's predicts_text_in_order), train/<task>/accuracy
+  (mlm: masked tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
+  train/<task>/step_share, train/<task>/token_share: its share of the micro-batches and of the
+  input tokens so far (saved in checkpoints, so a resumed run goes on counting);
+  val/<task>/loss, ppl, bpb, masked_accuracy or token_accuracy, as the single objectives name them
+  (test/<task>/... likewise, on the test split).
+
+Shape legend: B batch, T length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Unpack
+
+import torch
+
+from lit_transformer.errors import closest
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.model.language_model import LanguageModel
+from lit_transformer.objectives.causal_lm import causal_terms
+from lit_transformer.objectives.masked_lm import masked_terms
+from lit_transformer.objectives.metrics import TokenAverage
+from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.seq2seq import seq2seq_terms
+from lit_transformer.recipe.registry import MIXTURE, implements
+from lit_transformer.recipe.schema import OptimConfig, RunConfig
+from lit_transformer.recipe.tasks import TASK_OBJECTIVES, mixture_data_module
+from lit_transformer.training.throughput import non_pad_tokens
+
+# the accuracy each task objective reports, named as its single objective names it
+_ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
+
+
+@implements(MIXTURE)
+class MultiTaskLM(ObjectiveBase):
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        tasks: list[dict[str, Any]],
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        bytes_per_token: list[float | None] | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
+        """`tasks`: [{"name": ..., "objective": mlm | clm | prefix_lm | span | seq2seq}] in the
+        data module's order (batch["task"] indexes it). `bytes_per_token`: each task's
+        validation bytes per token (None where it has no validation split), for bits per byte."""
+        lm = as_language_model(model)
+        tasks = [{"name": str(t["name"]), "objective": str(t["objective"])} for t in tasks]
+        if not tasks:
+            raise ValueError("a mixture needs at least one task")
+        per_task = list(bytes_per_token) if bytes_per_token is not None else [None] * len(tasks)
+        if len(per_task) != len(tasks):
+            raise ValueError(f"bytes_per_token has {len(per_task)} entries for {len(tasks)} tasks")
+        hparams = {"model": lm.config.to_dict(), "tasks": tasks, "bytes_per_token": per_task}
+        super().__init__(model_config=lm.config, optim=optim, max_steps=max_steps, hparams=hparams, **options)
+        self.model = lm
+        self.tasks = tasks
+        self.task_bytes_per_token = per_task
+        self._task_bpb = self._bits_per_byte_denominators(per_task)
+        self.encoder_decoder = lm.config.arch == "encoder_decoder"
+        for task in tasks:
+            self.eval_metrics[_key(task, "loss")] = TokenAverage()
+            if self._accuracy_name(task) is not None:
+                self.eval_metrics[_key(task, self._accuracy_name(task))] = TokenAverage()
+        # micro-batches and input tokens each task has trained on (global over ranks)
+        self.task_batches = [0] * len(tasks)
+        self.task_tokens = [0.0] * len(tasks)
+
+    @classmethod
+    def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
+        """The recipe's tasks in order; `data` is the MixtureDataModule."""
+        tasks = [{"name": t.name, "objective": t.objective} for t in cfg.tasks]
+        bytes_per_token = [data.bytes_per_token_of(i) for i in range(len(tasks))]
+        return cls(model, tasks, bytes_per_token=bytes_per_token, **cls.recipe_options(cfg))
+
+    @classmethod
+    def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
+        return mixture_data_module(cfg, run_dir, model_vocab_size, workers)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: torch.Tensor
+    ) -> torch.Tensor:
+        """The language model's logits; keyword inputs (prefix_lengths, decoder_input_ids, ...) pass through."""
+        return self.model(input_ids, attention_mask, **kwargs)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        index = int(batch["task"])
+        task = self.tasks[index]
+        loss_sum, nll_sum, count, correct = self._terms(task, batch, self.optim.label_smoothing, self.optim.z_loss)
+        n = self.token_normalizer(count)
+        mask = batch.get("attention_mask")
+        tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
+        metrics = {"accuracy": correct / n} if self._accuracy_name(task) is not None else {}
+        loss = self.finish_training_step(
+            loss_sum / n,
+            nll_sum / n,
+            batch,
+            flop_tokens=tokens,
+            head_positions=count,
+            metrics=metrics,
+            task=task["name"],
+            task_bytes_per_token=self._task_bpb[index],
+        )
+        if self._trainer is not None:
+            self._log_shares(index, batch)
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.eval_update(batch, batch_idx)
+
+    def eval_update(self, batch: dict[str, Any], batch_idx: int) -> None:
+        task = self.tasks[int(batch["task"])]
+        _, nll_sum, count, correct = self._terms(task, batch, 0.0)
+        self.eval_metrics[_key(task, "loss")].update(nll_sum, count)
+        accuracy = self._accuracy_name(task)
+        if accuracy is not None:
+            self.eval_metrics[_key(task, accuracy)].update(correct, count)
+
+    def eval_compute(self) -> dict[str, float]:
+        """{"<task>/loss", "<task>/ppl", "<task>/bpb" (in-order tasks), "<task>/<accuracy>"} for every task that
+        saw evaluation batches on any rank. Every rank computes every metric (each compute is a
+        collective: a rank that skipped a task its peer saw would hang both), and the tasks'
+        global batch counts decide what is reported."""
+        for metric in self.eval_metrics.values():  # the same update count everywhere: the same syncs
+            metric.update(torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+        counts = torch.stack([self.eval_metrics[_key(t, "loss")].count for t in self.tasks])  # (tasks,)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            counts = counts.clone()
+            torch.distributed.all_reduce(counts)
+        out: dict[str, float] = {}
+        for index, task in enumerate(self.tasks):
+            loss = float(self.eval_metrics[_key(task, "loss")].compute())
+            accuracy = self._accuracy_name(task)
+            value = float(self.eval_metrics[_key(task, accuracy)].compute()) if accuracy is not None else None
+            if float(counts[index]) == 0:
+                continue
+            out.update({f"{task['name']}/{k}": v for k, v in self.lm_eval_metrics(loss, self._task_bpb[index]).items()})
+            if value is not None:
+                out[f"{task['name']}/{accuracy}"] = value
+        return out
+
+    def evaluation_streams(
+        self, data: Any, task: str | None = None, split: str = "validation"
+    ) -> list[tuple[str, Any]]:
+        """(prefix, batches of `split`) per task that has the split, for `evaluate`: "<task>/"
+        before each metric, or, for one task, no prefix (the single objective's keys)."""
+        names = [t["name"] for t in self.tasks]
+        if task is not None and task not in names:
+            raise KeyError(f"--task {task}: the mixture's tasks are {names}{closest(task, names)}")
+        tasks, loaders = (
+            (data.val_tasks, data.val_dataloader())
+            if split == "validation"
+            else (data.test_tasks, data.test_dataloader())
+        )
+        return [
+            ("" if task is not None else f"{names[index]}/", loader)
+            for index, loader in zip(tasks, loaders)
+            if task is None or names[index] == task
+        ]
+
+    def measure_bytes_on(self, data: Any, split: str) -> None:
+        self._task_bpb = self._bits_per_byte_denominators(
+            [data.bytes_per_token_of(i, split) for i in range(len(self.tasks))]
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
+        """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""
+        objective = task["objective"]
+        if objective == "mlm":
+            return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
+        fused = self.fuse_head_and_loss()
+        if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
+            return seq2seq_terms(self.model, batch, label_smoothing, fused=fused, z_loss=z_loss)
+        loss_sum, nll_sum, count = causal_terms(
+            self.model, batch, label_smoothing, fused=fused, z_loss=z_loss
+        )  # clm, prefix_lm
+        return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
+
+    def _bits_per_byte_denominators(self, per_task: list[float | None]) -> list[float | None]:
+        """Each task's bytes per token where its bits per byte means something, else None."""
+        return [
+            b if TASK_OBJECTIVES[t["objective"]].predicts_text_in_order else None for t, b in zip(self.tasks, per_task)
+        ]
+
+    def _accuracy_name(self, task: dict[str, str]) -> str | None:
+        if task["objective"] == "mlm":
+            return _ACCURACY["mlm"]
+        return _ACCURACY["seq2seq"] if self.encoder_decoder else None
+
+    def _log_shares(self, index: int, batch: dict[str, Any]) -> None:
+        """Every task's share of the micro-batches and input tokens so far (this rank's token
+        count times the ranks: packed rows have the same count on every rank)."""
+        tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
+        if "decoder_input_ids" in batch:
+            tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
+        self.task_batches[index] += 1
+        self.task_tokens[index] += float(tokens) * self.trainer.world_size
+        batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
+        for task, count, used in zip(self.tasks, self.task_batches, self.task_tokens):
+            self.log(f"train/{task['name']}/step_share", count / batches)
+            self.log(f"train/{task['name']}/token_share", used / all_tokens)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["task_batches"] = list(self.task_batches)
+        checkpoint["task_tokens"] = list(self.task_tokens)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.task_batches = list(checkpoint.get("task_batches", [0] * len(self.tasks)))
+        self.task_tokens = list(checkpoint.get("task_tokens", [0.0] * len(self.tasks)))
+
+
+def _key(task: dict[str, str], metric: str) -> str:
+    """An eval_metrics key (module names may not hold dots; task names hold no '/')."""
+    return f"{task['name'].replace('.', '_')}/{metric}"

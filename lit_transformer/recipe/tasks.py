@@ -1,0 +1,188 @@
+"""Mixtures of tasks on one set of weights (UniLM, UL2, T5's multi-task mixtures): what each
+task objective needs from the model and the data, each task's data settings, and the checks a
+recipe with `tasks:` gets when it is read.
+
+A task objective trains one attention mode of the shared core:
+  mlm        bidirectional: an encoder, or a decoder with every row fully visible (UniLM)
+  clm        causal: a decoder
+  prefix_lm  a decoder bidirectional over a prefix and causal after it (UniLM's seq2seq mask,
+             T5's prefix LM), or an encoder-decoder that encodes the prefix and decodes the rest
+             (UL2's S-denoiser)
+  span       T5 span corruption: an encoder-decoder (UL2's R- and X-denoisers)
+  seq2seq    supervised source -> target pairs: an encoder-decoder
+
+Nothing here imports torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lit_transformer.data.data_config import DataConfig
+from lit_transformer.errors import DataError, RecipeError
+from lit_transformer.recipe.schema import RunConfig, TaskConfig
+
+
+@dataclass(frozen=True)
+class TaskObjectiveSpec:
+    archs: tuple[str, ...]  # model.arch values it trains
+    pipelines: dict  # model.arch -> the data pipeline's kind (data.config.OBJECTIVES): token cache, collator
+    parameters: tuple[str, ...] = ()  # the task keys of its objective (each replaces the data key of that name)
+    length_keys: tuple[str, ...] = ("block_size",)  # data keys that bound what the model reads
+    bidirectional: bool = False  # trains a decoder's fully bidirectional mode (classification reads it)
+    # its loss predicts the text in order (a whole block, or the continuation after a prefix), so
+    # it converts to bits per byte of the text; mlm and span predict corrupted tokens only
+    predicts_text_in_order: bool = False
+
+
+TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
+    "mlm": TaskObjectiveSpec(
+        ("encoder", "decoder"),
+        {"encoder": "mlm", "decoder": "mlm"},
+        parameters=("mlm_probability",),
+        bidirectional=True,
+    ),
+    "clm": TaskObjectiveSpec(("decoder",), {"decoder": "clm"}, predicts_text_in_order=True),
+    # a decoder's prefix LM reads next-token blocks (T + 1 tokens); an encoder-decoder's splits
+    # plain blocks of T tokens into what it encodes and what it decodes
+    "prefix_lm": TaskObjectiveSpec(
+        ("decoder", "encoder_decoder"), {"decoder": "clm", "encoder_decoder": "mlm"}, predicts_text_in_order=True
+    ),
+    "span": TaskObjectiveSpec(
+        ("encoder_decoder",), {"encoder_decoder": "span"}, parameters=("noise_density", "mean_span_length")
+    ),
+    "seq2seq": TaskObjectiveSpec(
+        ("encoder_decoder",), {"encoder_decoder": "seq2seq"}, length_keys=("max_length", "max_target_length")
+    ),
+}
+
+# the recipe's data keys that a task's own objective parameters replace
+_OBJECTIVE_PARAMETERS = ("mlm_probability", "noise_density", "mean_span_length")
+
+
+def pipeline(task: TaskConfig, arch: str) -> str:
+    """The data pipeline kind (token cache and collator) of a task on a model architecture."""
+    return TASK_OBJECTIVES[task.objective].pipelines[arch]
+
+
+def task_data(cfg: RunConfig, task: TaskConfig) -> DataConfig:
+    """The recipe's data section with the task's `data` overrides and objective parameters."""
+    changes = {k: v for k, v in dataclasses.asdict(task.data).items() if v is not None}
+    for key in (
+        "train_files",
+        "val_files",
+        "test_files",
+        "source_files",
+        "target_files",
+        "val_source_files",
+        "val_target_files",
+    ):
+        if isinstance(changes.get(key), str):  # one file where a list is expected
+            changes[key] = [changes[key]]
+    changes.update({k: getattr(task, k) for k in _OBJECTIVE_PARAMETERS if getattr(task, k) is not None})
+    try:
+        return dataclasses.replace(cfg.data, **changes)
+    except DataError as error:
+        raise RecipeError(f"tasks.{task.name}: {error}") from None
+
+
+def mode_tokens(cfg: RunConfig) -> list[str]:
+    """The tasks' mode tokens, each once, in the order the tasks name them."""
+    return list(dict.fromkeys(t.mode_token for t in cfg.tasks if t.mode_token is not None))
+
+
+def longest_task_input(cfg: RunConfig) -> tuple[str, int]:
+    """(key, value) of the longest sequence any task feeds the model (a mode token adds one)."""
+    best = ("", 0)
+    for task in cfg.tasks:
+        data = task_data(cfg, task)
+        for key in TASK_OBJECTIVES[task.objective].length_keys:
+            length = getattr(data, key) + (task.mode_token is not None)
+            if length > best[1]:
+                best = (f"tasks.{task.name}: data.{key}", length)
+    return best
+
+
+def check_mixture(cfg: RunConfig, arch: str, source: str) -> None:
+    """One-line RecipeErrors for a mixture the model cannot train or the data cannot feed."""
+    names = [t.name for t in cfg.tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise RecipeError(f"{source}: tasks: the name {name!r} is used twice; task names must be unique")
+        if not name or "/" in name or name.strip() != name:
+            raise RecipeError(f"{source}: tasks: name {name!r} must be non-empty, without '/' or surrounding spaces")
+    for task in cfg.tasks:
+        spec = TASK_OBJECTIVES[task.objective]
+        if arch not in spec.archs:
+            raise RecipeError(
+                f"{source}: tasks.{task.name}.objective={task.objective} needs model.arch in "
+                f"{list(spec.archs)}, got {arch!r}"
+            )
+        data = task_data(cfg, task)
+        if data.document_mask:
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.document_mask=true is not offered in a mixture "
+                "(a mode token and prefix positions would cross packed documents)"
+            )
+        if data.streaming:
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.streaming=true is not offered in a mixture "
+                "(the mixture draws batches from each task's token cache)"
+            )
+        if data.store != "cache":
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.store={data.store} is not offered in a mixture "
+                "(the mixture draws batches from each task's token cache)"
+            )
+        if data.batch_tokens is not None:
+            raise RecipeError(
+                f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "
+                "(each task's batches hold data.batch_size examples)"
+            )
+        for key in _OBJECTIVE_PARAMETERS:
+            if key not in spec.parameters and getattr(task, key) is not None:
+                takes = [name for name, other in TASK_OBJECTIVES.items() if key in other.parameters]
+                raise RecipeError(
+                    f"{source}: tasks.{task.name}.{key} applies to objective {', '.join(takes)}, not {task.objective}"
+                )
+
+
+def trains_bidirectional_mode(cfg: RunConfig) -> bool:
+    """Whether a mixture trained its decoder's fully bidirectional mode (a task like UniLM's MLM)."""
+    return any(TASK_OBJECTIVES[t.objective].bidirectional for t in cfg.tasks)
+
+
+def mixture_data_module(cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
+    """The MixtureDataModule of a recipe's tasks (not yet prepared): each task's data settings and
+    pipeline, one tokenizer trained on the recipe's own data section, the mixing rates."""
+    # here, not at the top: reading a recipe (this module's other work) must not import Lightning
+    from lit_transformer.data.modules.mixture_module import MixtureDataModule, MixtureTask
+
+    arch = cfg.model.arch
+    mixture_tasks = [
+        MixtureTask(
+            name=t.name,
+            objective=t.objective,
+            pipeline=pipeline(t, arch),
+            data=dataclasses.replace(task_data(cfg, t), num_workers=workers),
+            prefix_fraction=t.prefix_fraction,
+            mode_token=t.mode_token,
+        )
+        for t in cfg.tasks
+    ]
+    m = cfg.mixture
+    return MixtureDataModule(
+        mixture_tasks,
+        arch=arch,
+        tokenizer=cfg.tokenizer,
+        tokenizer_data=dataclasses.replace(cfg.data, num_workers=workers),
+        rates=m.rates,
+        weights=[t.weight for t in cfg.tasks],
+        cap=m.cap,
+        temperature=m.temperature,
+        seed=cfg.trainer.seed,
+        accumulate=cfg.trainer.accumulate_grad_batches,
+        run_dir=run_dir,
+        model_vocab_size=model_vocab_size,
+    )

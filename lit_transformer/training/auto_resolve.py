@@ -1,0 +1,213 @@
+"""Resolving a recipe's `auto` values when the run starts (the rules: recipe/auto_rules.py).
+
+`resolve_auto` reads the training corpus's size, measures the training step speed on this
+machine for a couple of seconds where the budget is `trainer.max_time`, applies the rules, prints
+one line saying what it chose and why, and returns a config with plain values (which config.yaml
+then records). A resumed run takes the values its config.yaml recorded instead: a new
+measurement could size another model than the checkpoint's.
+
+Processes of one run must agree: the process that starts the others (Lightning's launcher)
+passes its values on in an environment variable; processes started all at once (torchrun,
+srun) with a time budget to measure are refused, with the command that resolves once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from lit_transformer.errors import RecipeError
+from lit_transformer.model.config import TransformerConfig
+from lit_transformer.recipe import auto_rules as auto
+from lit_transformer.recipe.load import build_model_config, complete_model, load_recipe
+from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training import preflight
+from lit_transformer.training.distributed import is_main_process
+
+ENV = "LIT_TRANSFORMER_AUTO"  # the resolved values, as JSON, for the processes a launcher starts
+PROBE_SECONDS = 1.5  # timed steps of the speed probe (after one untimed step)
+PROBE_MIN_STEPS = 3
+
+
+def corpus_bytes(cfg: RunConfig) -> int:
+    """Bytes of training text: the training files (or the embedded corpus's training split),
+    at most data.max_train_bytes."""
+    from lit_transformer.data.sources.files import resolve_files
+
+    data = cfg.data
+    if data.train_files:
+        total = sum(p.stat().st_size for p in resolve_files(data.train_files, "data.train_files", data.format))
+    else:
+        from lit_transformer.data.sources.stdlib import corpus_split
+
+        total = sum(path.stat().st_size for _, path in corpus_split("train", data.val_fraction))
+    return min(total, data.max_train_bytes) if data.max_train_bytes is not None else total
+
+
+def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
+    """Training FLOP/s of one process on `model` at the recipe's batch, block, precision and
+    threads: forward, cross-entropy, backward and an AdamW step on random tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    from lit_transformer.model.language_model import LanguageModel
+
+    batch = cfg.data.batch_size if cfg.data.batch_size != auto.AUTO else auto.STAND_IN["batch_size"]
+    block = cfg.data.block_size
+    device = "cuda" if preflight.on_gpu(cfg.trainer) and torch.cuda.is_available() else "cpu"
+    precision = cfg.trainer.precision or "32-true"
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
+    generator = torch.Generator().manual_seed(0)
+    with cpu_threads(cfg.trainer.num_threads if device == "cpu" else None):
+        lm = LanguageModel(model.replace(dropout=0.0)).to(device)
+        if precision == "bf16-true":
+            lm = lm.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+        ids = torch.randint(model.vocab_size, (batch, block), generator=generator).to(device)
+        decoder = {"decoder_input_ids": ids} if model.arch == "encoder_decoder" else {}
+
+        def step() -> None:
+            with torch.autocast(device, dtype=dtype, enabled=dtype is not None and precision.endswith("mixed")):
+                logits = lm(ids, **decoder)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        step()  # allocations, kernel choices
+        steps, start = 0, time.perf_counter()
+        while steps < PROBE_MIN_STEPS or time.perf_counter() - start < PROBE_SECONDS:
+            step()
+            steps += 1
+        seconds = time.perf_counter() - start
+    return steps * batch * block * auto.flops_per_token(model, block) / seconds
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """torch.set_num_threads(n) for the duration (it is process-wide)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def resolve_auto(
+    cfg: RunConfig,
+    *,
+    measure: Callable[[TransformerConfig, RunConfig], float] | None = None,
+    quiet: bool = False,
+) -> RunConfig:
+    """`cfg` with every `auto` value resolved (unchanged without any); `measure` gives one process's
+    training FLOP/s for a model (default measure_flops_per_second; tests pass a fixed speed)."""
+    keys = auto.auto_keys(cfg)
+    if not keys:
+        return cfg
+    measure = measure or measure_flops_per_second
+    saved = _saved_values(cfg, keys)
+    if saved is not None:
+        return complete_model(auto.apply(cfg, saved), "recipe")
+    inherited = json.loads(os.environ.get(ENV, "{}"))
+    if not is_main_process() and inherited.get("run_dir") == cfg.run.dir:
+        return complete_model(auto.apply(cfg, inherited["values"]), "recipe")
+    if _joined_group():
+        # A later run of a job whose ranks are already started (a script or sweep that trains
+        # again): the launcher passed no values for it, so rank 0 resolves and the others take its
+        # values (or its error), where each measuring its own speed could size another model
+        import torch.distributed as dist
+
+        outcome: list = [None]
+        if dist.get_rank() == 0:
+            try:
+                outcome = [_resolve_values(cfg, keys, measure, quiet)]
+            except Exception as error:  # the other ranks wait on the broadcast: they raise it too
+                outcome = [error]
+        dist.broadcast_object_list(outcome, src=0)
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return complete_model(auto.apply(cfg, outcome[0]), "recipe")
+    if cfg.trainer.max_time is not None and _started_together():
+        raise RecipeError(
+            f"{keys[0]}=auto measures this machine's speed, and every process of a torchrun or srun job would "
+            "measure its own: resolve once with `lit-transformer pretrain RECIPE --print-config > resolved.yaml` "
+            "and start the job on resolved.yaml"
+        )
+    values = _resolve_values(cfg, keys, measure, quiet)
+    # the processes Lightning starts for this run (they are not the main process) take these
+    os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
+    return complete_model(auto.apply(cfg, values), "recipe")
+
+
+def _resolve_values(
+    cfg: RunConfig, keys: list[str], measure: Callable[[TransformerConfig, RunConfig], float], quiet: bool
+) -> dict:
+    """The plain value of each `auto` key: measured and chosen on this process."""
+    world = preflight.processes_per_node(cfg.trainer) * cfg.trainer.num_nodes
+    base = build_model_config(auto.stand_in(cfg), "recipe")
+    corpus = corpus_bytes(cfg)
+    flops = None
+    resolved = None
+    if cfg.trainer.max_time is not None:
+        probe = base
+        if "tokenizer.vocab_size" in keys:
+            probe = probe.replace(vocab_size=auto.vocab_for(corpus, probe))
+        measured: dict[TransformerConfig, float] = {}
+        # the speed of the shape chosen, measured again once: small shapes use the cores less well
+        for _ in range(2):
+            if probe not in measured:
+                measured[probe] = measure(probe, cfg) * world
+            flops = measured[probe]
+            budget = auto.Budget(corpus, cfg.trainer.max_time, flops, cfg.trainer.max_steps, world)
+            resolved = auto.resolve(cfg, base, budget)
+            probe = resolved.model.replace(dropout=0.0)
+    else:
+        budget = auto.Budget(corpus, None, None, cfg.trainer.max_steps, world)
+        resolved = auto.resolve(cfg, base, budget)
+    assert resolved is not None
+    if not quiet and is_main_process():
+        speed = f" at {flops / 1e9:.2f} GFLOP/s measured" if flops is not None else ""
+        print(f"{resolved.summary()}{speed}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
+    return resolved.values
+
+
+def _saved_values(cfg: RunConfig, keys: list[str]) -> dict | None:
+    """What a resumed run's config.yaml recorded for the `auto` keys; None when not resuming."""
+    saved = Path(cfg.run.dir) / "config.yaml"
+    if cfg.resume is None or not saved.is_file():
+        return None
+    old = load_recipe(saved)
+    values: dict = {}
+    for key in keys:
+        if key == "model.size":
+            values[key] = {k: getattr(old.model, k) for k in ("d_model", "n_layers", "n_heads", "d_ff")}
+        else:
+            section, name = key.split(".")
+            values[key] = getattr(getattr(old, section), name)
+    if is_main_process():
+        print(f"auto: resuming with the values {saved} recorded", file=sys.stderr)
+    return values
+
+
+def _joined_group() -> bool:
+    """Whether this process is already one of several ranks of a started process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _started_together() -> bool:
+    """Whether this process is one of several a launcher outside Lightning started (torchrun, srun)."""
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1)
+    return world > 1

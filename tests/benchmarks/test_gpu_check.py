@@ -1,0 +1,96 @@
+"""benchmarks/gpu_check.py, the one command a lent GPU runs: without CUDA it says so and exits 0;
+on this CPU (--device cpu --quick) every check passes or is skipped, one JSON row per check; a
+check that raises is a `fail` row, the others still run, and the exit status is 1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", **env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=environment, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_without_cuda_it_says_so_and_exits_0():
+    result = run_script(CUDA_VISIBLE_DEVICES="")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == load_script().NO_CUDA
+
+
+@pytest.mark.slow
+def test_every_check_passes_or_skips_on_this_cpu(tmp_path):
+    out = tmp_path / "rows.json"
+    result = run_script("--device", "cpu", "--quick", "--json", str(out), CUDA_VISIBLE_DEVICES="")
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [row["check"] for row in rows] == list(load_script().CHECKS)
+    failed = {row["check"]: row["detail"] for row in rows if row["status"] == "fail"}
+    assert not failed and result.returncode == 0, (failed, result.stderr[-3000:])
+    assert {row["status"] for row in rows} <= {"pass", "skip"}
+    by_name = {row["check"]: row for row in rows}
+    assert by_name["peak_memory"]["status"] == "skip"  # CUDA's allocator statistics only
+    # the rows carry their numbers: each family learned in both precisions (the first loss
+    # against the mean of the last two)
+    losses = by_name["families"]["losses"]
+    assert len(losses) == 10 and all(last < first for first, last in losses.values()), losses
+    assert by_name["activation_checkpointing"]["max_relative_difference"] <= 2e-3
+    assert 0 < by_name["mfu"]["mfu_measured_peak"]
+    for row in rows:  # the table printed every check with its status
+        assert f"{row['check']:<25} {row['status']:<6}" in result.stdout
+
+
+def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run(tmp_path, monkeypatch):
+    script = load_script()
+
+    def broken(ctx):
+        raise RuntimeError("fused kernel exploded\nsecond line of the message")
+
+    monkeypatch.setattr(script, "check_fused_adamw", broken)
+    out = tmp_path / "rows.json"
+    status = script.main(["--device", "cpu", "--quick", "--checks", "fused_adamw,peak_memory", "--json", str(out)])
+    assert status == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["check"], r["status"]) for r in rows] == [("fused_adamw", "fail"), ("peak_memory", "skip")]
+    assert rows[0]["detail"] == "RuntimeError: fused kernel exploded"
+    assert rows[0]["seconds"] >= 0
+
+
+def test_a_check_that_finds_wrong_numbers_fails_with_its_reason(tmp_path):
+    """CheckFailed, a check's own verdict: recorded with its message, no traceback needed."""
+    script = load_script()
+    ctx = script.Context("cpu", True, tmp_path)
+    script.check_demo = lambda ctx: script.need(1 + 1 == 3, "arithmetic is off")
+    row = script.run_check("demo", ctx)
+    assert (row["status"], row["detail"]) == ("fail", "CheckFailed: arithmetic is off")
+    script.check_demo = lambda ctx: {"detail": "fine", "value": 3}
+    assert {k: v for k, v in script.run_check("demo", ctx).items() if k != "seconds"} == {
+        "check": "demo",
+        "status": "pass",
+        "detail": "fine",
+        "value": 3,
+    }
+
+
+def test_unknown_checks_are_refused():
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--checks", "families,flex"])

@@ -1,0 +1,107 @@
+"""The recipe's eval section in a training run: it changes nothing about training, its numbers
+reach the CSV logs and metrics.json, and `evaluate` gives the same numbers on the same weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import RECIPES, SMALL, losses
+from safetensors.torch import load_file
+
+from lit_transformer.commands.evaluate import evaluate_suite
+from lit_transformer.commands.train import train
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.training.rundir import read_metrics
+
+pytestmark = pytest.mark.slow
+
+# one entry of each kind that reads the embedded data; small, so the test stays tiny
+SUITE = """
+eval:
+  - {name: text, kind: heldout, embedded: stdlib_text, max_examples: 8}
+  - {name: docstrings, kind: classify, embedded: docstring_package, max_examples: 48}
+  - {name: next_line, kind: choice, embedded: next_line, max_examples: 12}
+  - {name: names, kind: choice, embedded: docstring_function, max_examples: 12, every_n_steps: 10}
+"""
+EVAL_NAMES = ("text", "docstrings", "next_line", "names")
+
+
+def unilm_run(tmp_path: Path, name: str, with_eval: bool) -> Path:
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n" + (SUITE if with_eval else ""))
+    run_dir = tmp_path / name
+    small = [a for a in SMALL if a != "eval=[]"] if with_eval else SMALL  # SMALL turns the recipes' own off
+    cfg = load_recipe(recipe, [*small, "tokenizer.vocab_size=400", "trainer.keep_checkpoints=2", f"run.dir={run_dir}"])
+    train(cfg, progress_bar=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval-training")
+    return unilm_run(tmp, "plain", False), unilm_run(tmp, "evaluated", True)
+
+
+def test_evaluations_do_not_change_training(runs):
+    plain, evaluated = runs
+    assert losses(plain) and losses(plain) == losses(evaluated)  # ==, not approx
+    weights, other = load_file(plain / "model.safetensors"), load_file(evaluated / "model.safetensors")
+    assert weights.keys() == other.keys() and all((weights[k] == other[k]).all() for k in weights)
+    metrics, other_metrics = (
+        json.loads((plain / "metrics.json").read_text()),
+        json.loads((evaluated / "metrics.json").read_text()),
+    )
+    assert {k: v for k, v in other_metrics.items() if k.startswith("val/")} == metrics
+
+
+def test_evaluations_are_logged_at_each_validation_and_saved_at_the_end(runs):
+    _, evaluated = runs
+    rows = read_metrics(evaluated)
+    steps = {name: sorted(int(r["step"]) for r in rows if f"eval/{name}/seconds" in r) for name in EVAL_NAMES}
+    # the initial weights (step 0), then SMALL's validations at steps 5 and 10; `names` every 10 steps only
+    assert steps == {"text": [0, 5, 10], "docstrings": [0, 5, 10], "next_line": [0, 5, 10], "names": [0, 10]}
+    final = json.loads((evaluated / "metrics.json").read_text())
+    for key in ("eval/text/clm/loss", "eval/docstrings/accuracy", "eval/next_line/acc", "eval/names/acc_norm"):
+        assert key in final, sorted(final)
+    assert 0 <= final["eval/docstrings/accuracy"] <= 1 and final["eval/next_line/examples"] == 12
+
+
+def test_evaluate_gives_the_in_training_numbers_on_the_same_weights(runs):
+    _, evaluated = runs
+    final = json.loads((evaluated / "metrics.json").read_text())
+    out = evaluate_suite(str(evaluated))
+    for key, value in final.items():
+        if key.startswith("eval/") and not key.endswith("/seconds"):
+            assert out[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_all_checkpoints_write_the_curve(runs, tmp_path):
+    _, evaluated = runs
+    curve = tmp_path / "curve.csv"
+    out = evaluate_suite(str(evaluated), eval_names=["next_line"], all_checkpoints=True, output=str(curve))
+    assert [row["step"] for row in out["checkpoints"]] == [5, 10]
+    lines = curve.read_text().splitlines()
+    assert lines[0].startswith("step,eval/next_line/acc") and len(lines) == 3
+    # the checkpoint of the last step holds the final weights: the in-training number
+    final = json.loads((evaluated / "metrics.json").read_text())
+    assert out["checkpoints"][-1]["eval/next_line/acc"] == pytest.approx(final["eval/next_line/acc"])
+
+
+def test_an_exported_transformers_directory_is_evaluated_as_its_run(tmp_path):
+    """A decoder's choice numbers on the exported transformers directory (no run config: the
+    architecture's objective and the tokenizer.json beside it) equal the run's own."""
+    from lit_transformer.commands.inference import export
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("eval:\n  - {name: next_line, kind: choice, embedded: next_line, max_examples: 12}\n")
+    recipe = tmp_path / "clm.yaml"
+    recipe.write_text(f"extends: {RECIPES / 'tiny-clm.yaml'}\n")
+    run_dir = tmp_path / "clm"
+    train(load_recipe(recipe, [*SMALL, "tokenizer.vocab_size=400", f"run.dir={run_dir}"]), progress_bar=False)
+    exported = export(str(run_dir), str(tmp_path / "hf"))
+    ours, theirs = evaluate_suite(str(run_dir), suite=str(suite)), evaluate_suite(str(exported), suite=str(suite))
+    assert ours["eval/next_line/examples"] == 12
+    for key in ("eval/next_line/acc", "eval/next_line/acc_norm"):
+        assert theirs[key] == pytest.approx(ours[key]), key
