@@ -9,6 +9,7 @@ objectives stay the same on one CPU or many GPUs:
   gathered_parameters     unshard every FSDP2 unit for generation and BLEU decoding
   full_state_dict         the whole state dict on CPU, gathered from the shards
   total_norm              the global gradient norm, sharded DTensors included
+  local_rank              this process's index on its node, before the process group exists
   is_main_process         rank 0 of node 0, before the process group exists
 
 Nothing here knows an objective or a recipe.
@@ -30,12 +31,22 @@ from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.model.transformer import Block
 
 
+def local_rank() -> int:
+    """This process's index among the processes of its node: LOCAL_RANK (Lightning's launcher and
+    torchrun set it), else SLURM_LOCALID (srun sets only that), else 0 (a single process)."""
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name)
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def is_main_process() -> bool:
-    """False in every process but the first of the job: the extra processes a multi-device launch
-    starts (LOCAL_RANK / NODE_RANK > 0), and those torchrun (RANK) or srun (SLURM_PROCID) start on
-    other nodes, whose LOCAL_RANK is 0 too (torchrun sets no NODE_RANK)."""
-    first = ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID")
-    return all(os.environ.get(name, "0") == "0" for name in first)
+    """False in every process but the first of the job: the extra processes of a node (local
+    rank > 0, NODE_RANK > 0), and those torchrun (RANK) or srun (SLURM_PROCID) start on other
+    nodes, whose local rank is 0 too (torchrun sets no NODE_RANK)."""
+    first = ("NODE_RANK", "RANK", "SLURM_PROCID")
+    return local_rank() == 0 and all(os.environ.get(name, "0") == "0" for name in first)
 
 
 class FSDP2Strategy(ModelParallelStrategy):

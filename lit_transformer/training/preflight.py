@@ -200,11 +200,14 @@ def check_memory(trainer: TrainerConfig, data: DataConfig, model: TransformerCon
 
 
 def check(trainer: TrainerConfig, data: DataConfig, model: TransformerConfig, tokens: int) -> None:
-    """Every start-up check, in the launching process only: ranks that Lightning or torchrun
-    start later find the machine already loaded by their siblings. The command resolves what the
-    checks need from the recipe: its trainer and data sections, the model config and the longest
-    sequence a batch holds."""
-    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+    """Every start-up check, in local rank 0 of each node only: the node's other ranks (started by
+    Lightning, torchrun or srun) find the machine already loaded by their siblings, and their
+    memory counted by rank 0. The command resolves what the checks need from the recipe: its
+    trainer and data sections, the model config and the longest sequence a batch holds."""
+    # here, not at the top: estimate() serves `info --plan`, which must not import Lightning
+    from lit_transformer.training.distributed import local_rank
+
+    if local_rank() > 0:
         return
     check_devices(trainer)
     if trainer.check_memory:

@@ -260,6 +260,7 @@ def test_the_cache_lock_makes_a_second_process_wait(tmp_path):
         ({"LOCAL_RANK": "1"}, False),  # an extra process Lightning started on this node
         ({"RANK": "1", "LOCAL_RANK": "0"}, False),  # torchrun on node 1: no NODE_RANK
         ({"SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, False),  # srun's task on node 1
+        ({"SLURM_LOCALID": "1"}, False),  # srun's second task of node 0 (no LOCAL_RANK)
         ({"RANK": "0", "LOCAL_RANK": "0", "SLURM_PROCID": "0"}, True),
     ],
 )
@@ -267,7 +268,7 @@ def test_only_the_first_process_of_a_multinode_job_is_main(monkeypatch, variable
     """Node 1's first process must not write or clear the run directory that rank 0 writes."""
     from lit_transformer.training.distributed import is_main_process
 
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID"):
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "SLURM_PROCID", "SLURM_LOCALID"):
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)

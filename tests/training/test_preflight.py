@@ -26,7 +26,8 @@ def machine(monkeypatch):
     monkeypatch.setattr(preflight, "gpu_count", lambda: spec["gpus"])
     monkeypatch.setattr(preflight, "available_memory", lambda: spec["memory"])
     monkeypatch.setattr(preflight, "gpu_memory", lambda: spec["gpu_memory"])
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):  # a test run inside a Slurm job is local rank 0 too
+        monkeypatch.delenv(name, raising=False)
     return spec
 
 
@@ -151,6 +152,29 @@ def test_spawned_ranks_do_not_check_again(machine, tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     cfg = wmt(tmp_path)
     check(cfg)  # rank 0 checked for the whole node
+
+
+@pytest.mark.parametrize(
+    ("launcher", "tasks"),
+    [
+        ("srun", [{"SLURM_LOCALID": "0"}, {"SLURM_LOCALID": "1"}]),  # srun sets no LOCAL_RANK
+        ("lightning", [{}, {"LOCAL_RANK": "1"}]),  # the process started by hand, then the one it spawns
+        # torchrun inside a one-task-per-node srun step: torchrun's LOCAL_RANK wins
+        ("torchrun in srun", [{"SLURM_LOCALID": "0", "LOCAL_RANK": "0"}, {"SLURM_LOCALID": "0", "LOCAL_RANK": "1"}]),
+    ],
+)
+def test_only_local_rank_0_of_a_node_checks(machine, tmp_path, monkeypatch, launcher, tasks):
+    """Two processes of one node: the first checks devices and memory for both (check_memory
+    counts every rank of the node), the second must not refuse a run the first found to fit."""
+    cfg = wmt(tmp_path, "trainer.devices=2", "trainer.strategy=ddp")
+    checked = []
+    monkeypatch.setattr(preflight, "check_devices", lambda t: checked.append(("devices", task)))
+    monkeypatch.setattr(preflight, "check_memory", lambda *args: checked.append(("memory", task)))
+    for task, variables in enumerate(tasks):
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        check(cfg)
+    assert checked == [("devices", 0), ("memory", 0)], launcher
 
 
 def test_the_loss_chunk_is_the_fused_loss_chunk():
