@@ -35,6 +35,7 @@ from lit_transformer.model.config import ConfigError, TransformerConfig, preset
 from lit_transformer.recipe import auto_rules as auto
 from lit_transformer.recipe import registry
 from lit_transformer.recipe import tasks as mixture
+from lit_transformer.recipe.catalog import resolve_recipe
 from lit_transformer.recipe.entries import build_entry, list_entries, literal_of
 from lit_transformer.recipe.eval_schema import EvalConfig, eval_entries
 from lit_transformer.recipe.schema import (
@@ -89,8 +90,8 @@ __all__ = [  # the schema's sections are re-exported: `from lit_transformer.reci
 def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> RunConfig:
     """Read a recipe (following `extends:`), apply `key=value` overrides, validate, build the
     model config, and return plain dataclasses. Every problem is a RecipeError naming the file
-    and the key."""
-    path = Path(path)
+    and the key. `path` may also be a shipped recipe's name (recipe/catalog.py)."""
+    path = resolve_recipe(path)
     merged = OmegaConf.structured(RunConfig)
     for source, tree in _chain(path, []):
         merged = _merge(merged, tree, source)
