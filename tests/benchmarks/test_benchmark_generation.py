@@ -1,6 +1,6 @@
 """benchmarks/generation.py's logic without timing anything: the bytes a decoding step reads,
-the paired ratio of alternating runs, the --quick expansion, and one tiny end-to-end run
-against transformers on the same weights."""
+the ratio of the tokens/s it prints beside the range of alternating rounds, the --quick
+expansion, and one tiny end-to-end run against transformers on the same weights."""
 
 from __future__ import annotations
 
@@ -58,12 +58,12 @@ def test_bytes_per_step_of_t5_leave_out_the_encoder_and_read_the_cross_attention
 def test_quick_fills_only_the_flags_not_given():
     quick = generation.parse_args(["--quick", "--device", "cpu"])
     assert (quick.shapes, quick.batches, quick.modes, quick.dtypes) == (["gpt2"], [1, 8], ["greedy"], ["float32"])
-    assert (quick.new_tokens, quick.rounds) == (32, 2)
+    assert (quick.new_tokens, quick.rounds) == (32, 5)
     mixed = generation.parse_args(["--quick", "--dtypes", "bfloat16", "--rounds", "5", "--device", "cpu"])
     assert (mixed.dtypes, mixed.rounds, mixed.shapes) == (["bfloat16"], 5, ["gpt2"])
     full = generation.parse_args(["--device", "cpu"])
     assert (full.shapes, full.batches, full.modes) == (["gpt2", "t5"], [1, 8, 32], ["greedy", "beam4"])
-    assert (full.dtypes, full.new_tokens, full.rounds) == (["float32", "bfloat16"], 128, 3)
+    assert (full.dtypes, full.new_tokens, full.rounds) == (["float32", "bfloat16"], 128, 5)
 
 
 @pytest.mark.parametrize(
@@ -81,9 +81,10 @@ def test_bad_flags_are_refused_naming_the_flag_and_value(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_cell_pairs_alternating_runs_and_reports_the_median_ratio(monkeypatch):
-    """run_cell with the decoders and the clock replaced: the ratio is the median of the
-    per-pair ratios with their range, tokens/s uses each side's median run."""
+def test_a_cell_reports_the_ratio_of_its_own_tokens_per_s_and_the_rounds_range(monkeypatch):
+    """run_cell with the decoders and the clock replaced: tokens/s uses each side's median run,
+    the ratio is exactly ours tokens/s / transformers' (what the table prints, so a row can be
+    checked from its columns), and the range is that of the per-round ratios."""
     clock = iter([1.0, 1.5, 2.0, 2.0, 1.0, 0.9])  # ours, theirs, ours, theirs, ...
     tokens = torch.tensor([[7, 8, 9]])
 
@@ -96,10 +97,12 @@ def test_a_cell_pairs_alternating_runs_and_reports_the_median_ratio(monkeypatch)
     model = LanguageModel.from_config(cfg)
     args = generation.parse_args(["--device", "cpu", "--new-tokens", "3", "--rounds", "3", "--prompt-length", "2"])
     cell = generation.run_cell(args, "gpt2", (model, None), 1, "greedy", "float32", bandwidth=1e9)
-    assert cell["ratio"] == pytest.approx(1.0) and cell["ratio_range"] == pytest.approx([0.9, 1.5])
     assert cell["tokens_per_s"] == pytest.approx(3 / 1.0) and cell["transformers_tokens_per_s"] == pytest.approx(
         3 / 1.5
     )
+    # rounds' ratios 1.5, 1.0, 0.9 (their median would say 1.0x beside tokens/s that say 1.5x)
+    assert cell["ratio"] == pytest.approx(1.5) == cell["tokens_per_s"] / cell["transformers_tokens_per_s"]
+    assert cell["ratio_range"] == pytest.approx([0.9, 1.5])
     assert cell["identical_tokens"] and cell["token_agreement"] == 1.0
     step = generation.step_bytes(model, batch=1, beams=1, prompt_length=2, new_tokens=3)["total"]
     assert cell["bandwidth_utilisation"] == pytest.approx(step * 3 / 1.0 / 1e9)
