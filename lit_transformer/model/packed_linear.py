@@ -10,6 +10,15 @@ benchmarks/generation.py`, benchmarks/README.md). Eager decoding gets it without
 `packed_linears(model)` swaps each nn.Linear's forward for the packed product while the
 context is open and restores it after.
 
+The packed layout does not win on every CPU: on a 2-core Intel Xeon with AMX it lost to plain
+`F.linear` at batch 1 (benchmarks/README.md, "Decoding on CPU, per CPU kind"). So by default
+(`when="faster"`) the choice is a measurement on the machine it runs on: the first time a model
+of a given set of weight shapes decodes `rows` rows in a process, one step's worth of products
+(every linear once, at `rows` rows) is timed packed and plain in alternation, MEASURE_ROUNDS
+times each after an untimed pass, and the side with the lower median wins (`packed_is_faster`).
+The answer is cached per (rows, threads, weight shapes and dtypes), so it costs one step's
+products a dozen times, once. `when="always"` packs without measuring.
+
 The packed weights are copies (one more copy of every linear weight, the LM head included,
 while the context is open). Each call checks that the weight is still the one packed (same
 storage, dtype and version counter) and falls back to `F.linear` for anything the packed
@@ -21,13 +30,19 @@ Shape legend: N rows (any leading dims), C input features, O output features.
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
+MEASURE_ROUNDS = 5  # alternating timed passes per side: a median of 5 outlasts one descheduled pass
+# (rows, torch threads, ((O, C, dtype, bias), ...) of the packed linears) -> packed was faster
+_CHOICES: dict[tuple, bool] = {}
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -72,35 +87,93 @@ def _identity(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight.dtype, weight._version
 
 
+def packed_is_faster(packed_seconds: list[float], plain_seconds: list[float]) -> bool:
+    """The choice between the two paths: packed when the median of its timed passes is below
+    plain F.linear's (a tie keeps the plain path, which needs no second copy of the weights)."""
+    if not packed_seconds or not plain_seconds:
+        raise ValueError(f"no timings to choose from: {len(packed_seconds)} packed, {len(plain_seconds)} plain")
+    return statistics.median(packed_seconds) < statistics.median(plain_seconds)
+
+
+def choices() -> dict[tuple, bool]:
+    """The choices measured so far in this process: (rows, threads, weight shapes) -> packed."""
+    return dict(_CHOICES)
+
+
+def _measure(forwards: list[_PackedForward], rows: int) -> tuple[list[float], list[float]]:
+    """Seconds of one decoding step's products (every linear once at `rows` rows), packed and
+    plain F.linear in alternation, so that both sides share the machine's background load."""
+    g = torch.Generator().manual_seed(0)
+    inputs = {}  # (C, dtype) -> (rows, C)
+    for f in forwards:
+        key = (f.linear.in_features, f.packed.dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(rows, key[0], generator=g).to(key[1])
+    pairs = [(f, inputs[f.linear.in_features, f.packed.dtype]) for f in forwards]
+
+    def packed() -> None:
+        for f, x in pairs:
+            f(x)
+
+    def plain() -> None:
+        for f, x in pairs:
+            F.linear(x, f.linear.weight, f.linear.bias)
+
+    times: tuple[list[float], list[float]] = ([], [])
+    with torch.no_grad():
+        packed(), plain()  # untimed: oneDNN primitive creation, first touch of the packed copies
+        for _ in range(MEASURE_ROUNDS):
+            for side, run in zip(times, (packed, plain)):
+                start = time.perf_counter()
+                run()
+                side.append(time.perf_counter() - start)
+    return times
+
+
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, rows: int = 1) -> Iterator[int]:
+def packed_linears(model: nn.Module, rows: int = 1, *, when: Literal["faster", "always"] = "faster") -> Iterator[int]:
     """Run the nn.Linear modules of `model` on pre-packed weights inside the block; yields how
-    many were packed (0 where packing does not apply: not CPU, another dtype, no oneDNN).
+    many were packed (0 where packing does not apply: not CPU, another dtype, no oneDNN; or,
+    with when="faster", where plain F.linear measured faster on this machine: module docstring).
     rows: the rows a decoding step will multiply (batch x beams); oneDNN picks the layout for
     it (a float32 layout for 1 row runs 8 rows markedly slower than one for 8, and vice versa).
     Only plain nn.Linear modules without hooks are packed (a subclass or adapter keeps its own
     forward). Nested use packs once: an inner block over an already packed model is a no-op."""
-    patched: list[nn.Linear] = []
+    if when not in ("faster", "always"):
+        raise ValueError(f"packed_linears: when={when!r}; choose 'faster' or 'always'")
+    rows = max(1, rows)
+    targets: list[nn.Linear] = []
     if packing_available(model):
-        for module in model.modules():
-            if (
-                type(module) is nn.Linear
-                # a plain tensor: not a sharded (FSDP2 DTensor) or otherwise wrapped weight
-                and type(module.weight.data) is torch.Tensor
-                and "forward" not in module.__dict__
-                and not (module._forward_hooks or module._forward_pre_hooks)
-                and module.weight.dtype in _PACKED_DTYPES
-                and module.weight.device.type == "cpu"
-            ):
-                module.forward = _PackedForward(
-                    module, max(1, rows)
-                )  # an instance attribute shadows the class's forward
-                patched.append(module)
+        targets = [
+            module
+            for module in model.modules()
+            if type(module) is nn.Linear
+            # a plain tensor: not a sharded (FSDP2 DTensor) or otherwise wrapped weight
+            and type(module.weight.data) is torch.Tensor
+            and "forward" not in module.__dict__
+            and not (module._forward_hooks or module._forward_pre_hooks)
+            and module.weight.dtype in _PACKED_DTYPES
+            and module.weight.device.type == "cpu"
+        ]
+    key = (
+        rows,
+        torch.get_num_threads(),
+        tuple((*m.weight.shape, m.weight.dtype, m.bias is not None) for m in targets),
+    )
+    if when == "faster" and targets and _CHOICES.get(key) is False:
+        targets = []  # measured before: plain F.linear wins, and packing would cost a copy
+    forwards = [_PackedForward(module, rows) for module in targets]
+    if when == "faster" and forwards and key not in _CHOICES:
+        _CHOICES[key] = packed_is_faster(*_measure(forwards, rows))
+        if not _CHOICES[key]:
+            forwards = []
+    for forward in forwards:
+        forward.linear.forward = forward  # an instance attribute shadows the class's forward
     try:
-        yield len(patched)
+        yield len(forwards)
     finally:
-        for module in patched:
-            del module.forward
+        for forward in forwards:
+            del forward.linear.forward
 
 
-__all__ = ["packed_linears", "packing_available"]
+__all__ = ["choices", "packed_is_faster", "packed_linears", "packing_available"]

@@ -12,9 +12,10 @@ from helpers import V, seeded_model, tiny_config
 from torch import nn
 
 import lit_transformer.model.generate as generate_module
+import lit_transformer.model.packed_linear as packed_module
 from lit_transformer.model.attention import KVCache
 from lit_transformer.model.generate import StepDecoder, generate
-from lit_transformer.model.packed_linear import packed_linears, packing_available
+from lit_transformer.model.packed_linear import packed_is_faster, packed_linears, packing_available
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -34,11 +35,11 @@ def test_packed_forward_equals_plain_and_is_undone(dtype):
     ids = torch.randint(0, V, (3, 7))
     with torch.inference_mode():
         plain = model(ids)
-        with packed_linears(model) as count:
+        with packed_linears(model, when="always") as count:
             assert count == len(linears(model)) > 0
             assert all("forward" in m.__dict__ for m in linears(model))
             packed = model(ids)
-            with packed_linears(model) as inner:
+            with packed_linears(model, when="always") as inner:
                 assert inner == 0  # already packed: nothing packed twice
     assert not any("forward" in m.__dict__ for m in linears(model))
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
@@ -49,7 +50,7 @@ def test_packed_forward_equals_plain_and_is_undone(dtype):
 def test_a_changed_weight_is_never_read_from_a_stale_pack():
     layer = nn.Linear(13, 5)
     x = torch.randn(3, 13)
-    with torch.inference_mode(), packed_linears(layer):
+    with torch.inference_mode(), packed_linears(layer, when="always"):
         before = layer(x)
         with torch.no_grad():
             layer.weight.mul_(2)  # in place: the version counter moves
@@ -62,7 +63,7 @@ def test_a_changed_weight_is_never_read_from_a_stale_pack():
 def test_gradients_still_flow_inside_the_block():
     layer = nn.Linear(13, 5)
     x = torch.randn(3, 13, requires_grad=True)
-    with packed_linears(layer):
+    with packed_linears(layer, when="always"):
         layer(x).sum().backward()
     assert layer.weight.grad is not None and x.grad is not None
 
@@ -70,7 +71,7 @@ def test_gradients_still_flow_inside_the_block():
 def test_nothing_is_packed_where_it_does_not_apply():
     model = odd_model().to(torch.float16)
     assert not packing_available(model)
-    with packed_linears(model) as count:
+    with packed_linears(model, when="always") as count:
         assert count == 0
 
     class Wrapped(torch.Tensor):  # stands for a DTensor: a weight that is not a plain tensor
@@ -78,11 +79,66 @@ def test_nothing_is_packed_where_it_does_not_apply():
 
     layer = nn.Linear(5, 3)
     layer.weight = nn.Parameter(layer.weight.detach().as_subclass(Wrapped))
-    with packed_linears(layer) as count:
+    with packed_linears(layer, when="always") as count:
         assert count == 0 and "forward" not in layer.__dict__
     compiled = odd_model()
     compiled.transformer.decoder.blocks[0].compile()  # as trainer.compile does per block
     assert not packing_available(compiled)
+
+
+def test_the_choice_is_the_side_with_the_lower_median():
+    # packed's best pass (1.0) beats every plain one, but its median (3.0) does not
+    assert not packed_is_faster([1.0, 3.0, 3.0, 9.0, 3.0], [2.0, 2.0, 2.5, 2.0, 2.0])
+    assert packed_is_faster([2.0, 2.0, 2.5, 2.0, 2.0], [1.0, 3.0, 3.0, 9.0, 3.0])
+    assert not packed_is_faster([2.0], [2.0])  # a tie keeps plain F.linear: no second copy of the weights
+    with pytest.raises(ValueError, match="no timings to choose from: 0 packed, 1 plain"):
+        packed_is_faster([], [1.0])
+
+
+@needs_onednn
+@pytest.mark.parametrize("packed_wins", [True, False])
+def test_faster_packs_by_the_measurement_once_per_shape_class(packed_wins, monkeypatch):
+    """when="faster" times packed against plain once per (rows, threads, weight shapes), packs
+    only where packed won, and reuses the answer for another model of the same shapes."""
+    monkeypatch.setattr(packed_module, "_CHOICES", {})
+    measured = []
+
+    def fake_measure(forwards, rows):
+        measured.append((len(forwards), rows))
+        return ([1.0], [2.0]) if packed_wins else ([2.0], [1.0])
+
+    monkeypatch.setattr(packed_module, "_measure", fake_measure)
+    model, twin = odd_model(), odd_model()
+    expected = len(linears(model)) if packed_wins else 0
+    with torch.inference_mode():
+        for m in (model, twin, model):
+            with packed_linears(m, rows=6) as count:
+                assert count == expected
+                assert all(("forward" in x.__dict__) == packed_wins for x in linears(m))
+            assert not any("forward" in x.__dict__ for x in linears(m))
+        with packed_linears(model, rows=2) as count:  # another row count: measured again
+            assert count == expected
+    assert measured == [(len(linears(model)), 6), (len(linears(model)), 2)]
+    assert list(packed_module.choices().values()) == [packed_wins, packed_wins]
+    with pytest.raises(ValueError, match="when='sometimes'"):
+        with packed_linears(model, when="sometimes"):
+            pass
+
+
+@needs_onednn
+def test_the_measurement_times_both_sides_in_alternation_without_changing_results():
+    model = odd_model()
+    with packed_linears(model, rows=4, when="always"):
+        forwards = [m.forward for m in linears(model)]
+    packed, plain = packed_module._measure(forwards, rows=4)
+    assert len(packed) == len(plain) == packed_module.MEASURE_ROUNDS and min(packed + plain) > 0
+    ids = torch.randint(0, V, (4, 7))
+    with torch.inference_mode():
+        plain_logits = model(ids)
+        with packed_linears(model, rows=4) as count:  # the real measurement, whichever side wins
+            chosen_logits = model(ids)
+    assert count in (0, len(linears(model)))
+    torch.testing.assert_close(chosen_logits, plain_logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
@@ -92,7 +148,15 @@ def test_generation_tokens_are_unchanged_by_packing(arch, num_beams, monkeypatch
     beam search pick the same tokens as with plain F.linear."""
     model = odd_model(arch)
     ids = torch.randint(1, V, (3, 7), generator=torch.Generator().manual_seed(3))
+    packed_calls = []
+
+    def always(model, rows=1):
+        packed_calls.append(rows)
+        return packed_linears(model, rows, when="always")
+
+    monkeypatch.setattr(generate_module, "packed_linears", always)  # packed whatever this machine measures
     packed = generate(model, ids, max_new_tokens=9, num_beams=num_beams)
+    assert packed_calls == [3 * num_beams]
     monkeypatch.setattr(generate_module, "packed_linears", lambda model, rows=1: contextlib.nullcontext(0))
     assert torch.equal(packed, generate(model, ids, max_new_tokens=9, num_beams=num_beams))
 
