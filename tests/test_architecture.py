@@ -148,6 +148,28 @@ def test_every_folder_says_what_lives_there_and_what_it_may_import():
         assert "import" in doc.lower(), f"{init.parent.name}/__init__.py's docstring does not say what it may import"
 
 
+def test_the_recipe_layer_imports_no_torch_even_inside_functions():
+    """Reading a recipe never needs torch or Lightning: no module the recipe layer reaches
+    (function-level imports included) imports them. Data modules are built in data/."""
+    graph = import_graph()
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    reached, todo = set(), [m for m in graph if m.startswith("lit_transformer.recipe")]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    heavy = {}
+    for name in sorted(reached):
+        for node in ast.walk(ast.parse(modules[name].read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            found = {n.split(".")[0] for n in names} & {"torch", "lightning", "torchmetrics"}
+            if found:
+                heavy[name] = sorted(found)
+    assert heavy == {}
+
+
 # ----------------------------------------------------------------------------- the registry
 
 

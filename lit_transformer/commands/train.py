@@ -25,6 +25,7 @@ from lit_transformer.commands.loading import (
     source_model_config,
     with_overrides,
 )
+from lit_transformer.data.modules.builder import build_data_module
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.prompts import complete, encode_prompt, show_prompt
 from lit_transformer.model.config import TransformerConfig
@@ -32,7 +33,7 @@ from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import check_fits, longest_input, model_config, model_overrides, save_config
 from lit_transformer.recipe.schema import RunConfig
-from lit_transformer.recipe.tasks import task_data, trains_bidirectional_mode
+from lit_transformer.recipe.tasks import data_plan, task_data, trains_bidirectional_mode
 from lit_transformer.training import preflight
 from lit_transformer.training.auto_resolve import cpu_threads, resolve_auto
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
@@ -68,13 +69,13 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 
 def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | None = None):
-    """The prepared data module the objective reads (its class builds it: one data kind, or a
-    mixture's tasks)."""
-    dm = registry.objective_class(cfg.objective.name).data_module(
-        cfg,
-        str(run_dir) if run_dir is not None else None,
-        model_vocab_size,
-        preflight.capped_workers(cfg.trainer, cfg.data.num_workers),
+    """The prepared data module the objective reads: the recipe's data plan (one data kind, or a
+    mixture's tasks), built in data/."""
+    dm = build_data_module(
+        data_plan(cfg),
+        run_dir=str(run_dir) if run_dir is not None else None,
+        model_vocab_size=model_vocab_size,
+        workers=preflight.capped_workers(cfg.trainer, cfg.data.num_workers),
     )
     dm.prepare_data()
     dm.setup("fit")

@@ -35,7 +35,7 @@ from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOp
 from lit_transformer.objectives.seq2seq import seq2seq_terms
 from lit_transformer.recipe.registry import MIXTURE, implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
-from lit_transformer.recipe.tasks import TASK_OBJECTIVES, mixture_data_module
+from lit_transformer.recipe.tasks import TASK_OBJECTIVES
 from lit_transformer.training.throughput import non_pad_tokens
 
 # the accuracy each task objective reports, named as its single objective names it
@@ -85,10 +85,6 @@ class MultiTaskLM(ObjectiveBase):
         tasks = [{"name": t.name, "objective": t.objective} for t in cfg.tasks]
         bytes_per_token = [data.bytes_per_token_of(i) for i in range(len(tasks))]
         return cls(model, tasks, bytes_per_token=bytes_per_token, **cls.recipe_options(cfg))
-
-    @classmethod
-    def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
-        return mixture_data_module(cfg, run_dir, model_vocab_size, workers)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: torch.Tensor

@@ -34,7 +34,6 @@ Shape legend: B batch, T length.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, TypedDict, Unpack
 
@@ -42,12 +41,10 @@ import lightning as L
 import torch
 from torch import nn
 
-from lit_transformer.data.modules.text_module import TextDataModule
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.objectives.metrics import bits_per_byte
 from lit_transformer.objectives.optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
-from lit_transformer.recipe import registry
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 from lit_transformer.training.checkpoints import MODEL_CONFIG_KEY, OBJECTIVE_KEY
 from lit_transformer.training.distributed import prepare_blocks, total_norm
@@ -171,19 +168,6 @@ class ObjectiveBase(L.LightningModule):
         (fine-tuning, evaluation); `data` the TextDataModule (bytes_per_token, labels,
         tokenizer and special tokens). This default serves the language models."""
         return cls(model, bytes_per_token=data.bytes_per_token, **cls.recipe_options(cfg))
-
-    @classmethod
-    def data_module(cls, cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
-        """The (not yet prepared) data module a recipe's objective reads: its data kind's
-        TextDataModule; a mixture's reads one per task."""
-        return TextDataModule(
-            dataclasses.replace(cfg.data, num_workers=workers),
-            cfg.tokenizer,
-            registry.spec(cfg.objective.name).data,
-            seed=cfg.trainer.seed,
-            run_dir=run_dir,
-            model_vocab_size=model_vocab_size,
-        )
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any], **overrides: Any):

@@ -20,7 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from lit_transformer.data.data_config import DataConfig
+from lit_transformer.data.data_plan import DataPlan, MixtureSettings, MixtureTask
 from lit_transformer.errors import DataError, RecipeError
+from lit_transformer.recipe import registry
 from lit_transformer.recipe.schema import RunConfig, TaskConfig
 
 
@@ -153,36 +155,34 @@ def trains_bidirectional_mode(cfg: RunConfig) -> bool:
     return any(TASK_OBJECTIVES[t.objective].bidirectional for t in cfg.tasks)
 
 
-def mixture_data_module(cfg: RunConfig, run_dir: str | None, model_vocab_size: int | None, workers: int):
-    """The MixtureDataModule of a recipe's tasks (not yet prepared): each task's data settings and
-    pipeline, one tokenizer trained on the recipe's own data section, the mixing rates."""
-    # here, not at the top: reading a recipe (this module's other work) must not import Lightning
-    from lit_transformer.data.modules.mixture_module import MixtureDataModule, MixtureTask
-
+def data_plan(cfg: RunConfig) -> DataPlan:
+    """What the run of `cfg` reads (data/modules/builder.py builds it): the objective's data kind
+    (the registry's), or for a mixture each task's data settings and pipeline, one tokenizer
+    trained on the recipe's own data section, and the mixing rates."""
+    kind = registry.spec(cfg.objective.name).data
+    if not cfg.tasks:
+        return DataPlan(kind=kind, data=cfg.data, tokenizer=cfg.tokenizer, seed=cfg.trainer.seed)
     arch = cfg.model.arch
-    mixture_tasks = [
+    tasks = tuple(
         MixtureTask(
             name=t.name,
             objective=t.objective,
             pipeline=pipeline(t, arch),
-            data=dataclasses.replace(task_data(cfg, t), num_workers=workers),
+            data=task_data(cfg, t),
             prefix_fraction=t.prefix_fraction,
             mode_token=t.mode_token,
         )
         for t in cfg.tasks
-    ]
+    )
     m = cfg.mixture
-    return MixtureDataModule(
-        mixture_tasks,
+    mixing = MixtureSettings(
         arch=arch,
-        tokenizer=cfg.tokenizer,
-        tokenizer_data=dataclasses.replace(cfg.data, num_workers=workers),
         rates=m.rates,
-        weights=[t.weight for t in cfg.tasks],
+        weights=tuple(t.weight for t in cfg.tasks),
         cap=m.cap,
         temperature=m.temperature,
-        seed=cfg.trainer.seed,
         accumulate=cfg.trainer.accumulate_grad_batches,
-        run_dir=run_dir,
-        model_vocab_size=model_vocab_size,
+    )
+    return DataPlan(
+        kind=kind, data=cfg.data, tokenizer=cfg.tokenizer, seed=cfg.trainer.seed, tasks=tasks, mixture=mixing
     )

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler, m
 from lit_transformer.data.batches.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, cursor
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
+from lit_transformer.data.data_plan import MixtureTask
 from lit_transformer.data.modules.text_module import EpochLoader, RankedDataModule, TextDataModule, agree_on_data
 from lit_transformer.data.sources.corpus import build_sources, objective_kind
 from lit_transformer.data.tokens.cache import cache_lock, cache_root
@@ -45,32 +45,10 @@ from lit_transformer.data.tokens.prepare import Prepared, resolve_tokenizer, wri
 from lit_transformer.data.tokens.tokenizer import SpecialTokens, check_extra_special_tokens, save_tokenizer
 from lit_transformer.errors import DataError
 
-TASK_OBJECTIVES = ("mlm", "clm", "prefix_lm", "span", "seq2seq")
-PIPELINES = ("mlm", "clm", "span", "seq2seq")
 # what the data state records of the layout it was counted on: ranks, each task's batch, accumulation
 MIXTURE_LAYOUT_KEYS = ("world_size", "batch_sizes", "accumulate")
 # prefix LM reads next-token blocks on a decoder, plain blocks that it splits on an encoder-decoder
 PREFIX_PIPELINES = {"decoder": "clm", "encoder_decoder": "mlm"}
-
-
-@dataclass
-class MixtureTask:
-    """One task of a mixture, as plain values (the recipe layer builds these)."""
-
-    name: str
-    objective: str  # what it trains: mlm | clm | prefix_lm | span | seq2seq
-    pipeline: str  # the TextDataModule objective that caches and collates its data: mlm | clm | span | seq2seq
-    data: DataConfig
-    prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix
-    mode_token: str | None = None  # put before every input (UL2's [NLU], [NLG], [S2S])
-
-    def __post_init__(self):
-        if self.objective not in TASK_OBJECTIVES:
-            raise DataError(f"tasks.{self.name}.objective={self.objective!r} is not one of {list(TASK_OBJECTIVES)}")
-        if self.pipeline not in PIPELINES:
-            raise DataError(f"tasks.{self.name}: pipeline {self.pipeline!r} is not one of {list(PIPELINES)}")
-        if not 0.0 < self.prefix_fraction < 1.0:
-            raise DataError(f"tasks.{self.name}.prefix_fraction={self.prefix_fraction} is outside (0, 1)")
 
 
 class _MixtureBatches(torch.utils.data.Dataset):
