@@ -25,6 +25,7 @@ from lit_transformer.model.accounting import (
 )
 from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
 from lit_transformer.recipe.auto_rules import auto_keys
+from lit_transformer.recipe.catalog import resolve_recipe, shipped_recipes
 from lit_transformer.recipe.load import load_recipe, model_config, model_overrides
 
 BF16_BYTES = 2
@@ -42,20 +43,35 @@ def resolved_recipe(target: str, overrides: tuple[str, ...]):
     return resolve_auto(recipe)
 
 
+def recipe_target(target: str) -> str | None:
+    """The recipe file `info` reads for TARGET, or None for a preset: an existing file first, then
+    a preset name, then a shipped recipe's name (recipe/catalog.py), so a preset wins over a
+    shipped recipe of the same name."""
+    if os.path.isfile(target):
+        return target
+    if target in PRESETS:
+        return None
+    recipes = shipped_recipes()
+    if target in recipes or target.endswith((".yaml", ".yml")) or os.sep in target:
+        return str(resolve_recipe(target))  # the shipped recipe, or resolve_recipe's one-line error
+    raise ConfigError(
+        f"unknown preset {target!r}{closest(target, [*PRESETS, *recipes])}, nor a shipped recipe; "
+        f"presets: {', '.join(PRESETS)}; `lit-transformer recipes` lists the recipes"
+    )
+
+
 def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, str | None, TransformerConfig]:
-    """(name, preset name or None, config) for a preset name or a recipe path. A recipe is read
-    by `load_recipe`, as every command reads it (extends and key=value overrides applied); a
-    fine-tuning recipe's model is finetune.from's config with the recipe's fields on top."""
-    if target in PRESETS and not os.path.isfile(target):
+    """(name, preset name or None, config) for a preset name, a recipe path or a shipped recipe's
+    name (recipe_target). A recipe is read by `load_recipe`, as every command reads it (extends
+    and key=value overrides applied); a fine-tuning recipe's model is finetune.from's config with
+    the recipe's fields on top."""
+    path = recipe_target(target)
+    if path is None:
         if overrides:
             raise RecipeError("key=value overrides apply to recipes, not presets")
         return target, target, preset(target)
-    if not os.path.isfile(target):
-        if target.endswith((".yaml", ".yml")) or os.sep in target:
-            raise RecipeError(f"{target}: no such recipe file")
-        raise ConfigError(f"unknown preset {target!r}{closest(target, PRESETS)}; presets: {', '.join(PRESETS)}")
-    recipe = resolved_recipe(target, tuple(overrides))
-    name = os.path.splitext(os.path.basename(target))[0]
+    recipe = resolved_recipe(path, tuple(overrides))
+    name = os.path.splitext(os.path.basename(path))[0]
     if recipe.finetune.from_ is None:
         return name, recipe.model.preset, model_config(recipe)
     from lit_transformer.commands.loading import resolve_source, source_model_config  # reads the source's model config
@@ -64,7 +80,7 @@ def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, 
     try:
         return name, recipe.model.preset, config.replace(**model_overrides(recipe))
     except ConfigError as error:
-        raise RecipeError(f"{target}: {error}") from None
+        raise RecipeError(f"{path}: {error}") from None
 
 
 def info(
@@ -76,6 +92,7 @@ def info(
     `decoder_seq_len` targets (default `seq_len`); KV-cache bytes are for bfloat16.
     """
     name, preset_name, cfg = load_model_config(target, overrides)
+    path = recipe_target(target)
     seq_len = seq_len or cfg.max_seq_len
     if cfg.arch == "encoder_decoder":
         decoder_seq_len = decoder_seq_len or seq_len
@@ -83,7 +100,7 @@ def info(
     return {
         "name": name,
         "preset": preset_name,
-        "source": os.path.abspath(target) if os.path.isfile(target) else "preset",
+        "source": "preset" if path is None else os.path.abspath(path),
         "arch": cfg.arch,
         "parameters": count_parameters(cfg),
         "non_embedding_parameters": non_embedding_parameters(cfg),
@@ -167,15 +184,16 @@ def plan(
         raise RecipeError(f"--peak-tflops={peak_tflops} must be a positive number of TFLOP/s per device")
     if not 0 < mfu <= 1:
         raise RecipeError(f"--mfu={mfu} must be a fraction in (0, 1]")
-    if not os.path.isfile(target):
+    path = recipe_target(target)
+    if path is None:
         raise RecipeError(f"{target}: --plan needs a recipe (a preset has no trainer or data section)")
     # preflight and pack import torch: only a plan pays for it, so that plain `info` stays light
     from lit_transformer.data.tokens.pack import token_dtype
     from lit_transformer.recipe.load import longest_input
     from lit_transformer.training import preflight
 
-    recipe = resolved_recipe(target, tuple(overrides))
-    _, _, cfg = load_model_config(target, overrides)
+    recipe = resolved_recipe(path, tuple(overrides))
+    _, _, cfg = load_model_config(path, overrides)
     t, data = recipe.trainer, recipe.data
     length_key, tokens = longest_input(recipe)
     memory = preflight.estimate(t, data, cfg, tokens)

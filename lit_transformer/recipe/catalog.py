@@ -32,7 +32,7 @@ def recipe_folder() -> Path:
 
 def shipped_recipes() -> dict[str, Path]:
     """{name: file} for every shipped recipe, by name; base/ holds fragments, not recipes."""
-    return {path.name.removesuffix(SUFFIX): path for path in sorted(recipe_folder().glob(f"*{SUFFIX}"))}
+    return dict(sorted((path.name.removesuffix(SUFFIX), path) for path in recipe_folder().glob(f"*{SUFFIX}")))
 
 
 def resolve_recipe(arg: str | os.PathLike) -> Path:
