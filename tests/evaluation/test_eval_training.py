@@ -1,18 +1,29 @@
 """The recipe's eval section in a training run: it changes nothing about training, its numbers
-reach the CSV logs and metrics.json, and `evaluate` gives the same numbers on the same weights."""
+reach the CSV logs and metrics.json, and `evaluate` gives the same numbers on the same weights.
+
+The runs train with dropout and without StepSeed's reseed of torch's generator before every
+batch, so that an evaluation that left a module in eval mode or took numbers from a random
+stream would change the dropout masks, and so the losses, of every step after it. None of the
+evaluations here draws random numbers, so the run's `text` entry is wrapped in one that does (as
+a sampling decoder or a shuffled probe would): run_suite must give the streams back as they were."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers import RECIPES, SMALL, losses
 from safetensors.torch import load_file
 
 from lit_transformer.commands.evaluate import evaluate_suite
 from lit_transformer.commands.train import train
+from lit_transformer.evaluation import heldout, suite
 from lit_transformer.recipe.load import load_recipe
+from lit_transformer.training.callbacks import StepSeed
 from lit_transformer.training.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -33,15 +44,31 @@ def unilm_run(tmp_path: Path, name: str, with_eval: bool) -> Path:
     recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n" + (SUITE if with_eval else ""))
     run_dir = tmp_path / name
     small = [a for a in SMALL if a != "eval=[]"] if with_eval else SMALL  # SMALL turns the recipes' own off
-    cfg = load_recipe(recipe, [*small, "tokenizer.vocab_size=400", "trainer.keep_checkpoints=2", f"run.dir={run_dir}"])
-    train(cfg, progress_bar=False)
+    overrides = [*small, "tokenizer.vocab_size=400", "model.dropout=0.1", "trainer.keep_checkpoints=2"]
+    train(load_recipe(recipe, [*overrides, f"run.dir={run_dir}"]), progress_bar=False)
     return run_dir
+
+
+class Drawing:
+    """A held-out evaluation that first draws from torch's, numpy's and Python's generators."""
+
+    def __init__(self, entry, cfg):
+        self.inner = heldout.build(entry, cfg)
+        self.entry = self.inner.entry
+
+    def __call__(self, target):
+        torch.rand(1), np.random.rand(), random.random()
+        return self.inner(target)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval-training")
-    return unilm_run(tmp, "plain", False), unilm_run(tmp, "evaluated", True)
+    with pytest.MonkeyPatch.context() as patch:
+        # the reseed would hide an evaluation that draws from torch's generator
+        patch.setattr(StepSeed, "on_train_batch_start", lambda *args: None)
+        patch.setitem(suite.KINDS, "heldout", Drawing)
+        return unilm_run(tmp, "plain", False), unilm_run(tmp, "evaluated", True)
 
 
 def test_evaluations_do_not_change_training(runs):
