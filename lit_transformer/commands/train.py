@@ -25,6 +25,7 @@ from lit_transformer.commands.loading import (
     source_model_config,
     with_overrides,
 )
+from lit_transformer.commands.run_config import finish_config
 from lit_transformer.data.modules.builder import build_data_module
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.prompts import complete, encode_prompt, show_prompt
@@ -33,9 +34,9 @@ from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import check_fits, longest_input, model_config, model_overrides, save_config
 from lit_transformer.recipe.schema import RunConfig
-from lit_transformer.recipe.tasks import data_plan, task_data, trains_bidirectional_mode
+from lit_transformer.recipe.tasks import data_plan, task_data
 from lit_transformer.training import preflight
-from lit_transformer.training.auto_resolve import cpu_threads, resolve_auto
+from lit_transformer.training.auto_resolve import cpu_threads
 from lit_transformer.training.callbacks import SampleGenerations, time_budget_spent
 from lit_transformer.training.checkpoints import (
     ResumeCounters,
@@ -48,24 +49,6 @@ from lit_transformer.training.checkpoints import (
 from lit_transformer.training.distributed import is_main_process, is_sharded, meta_language_model
 from lit_transformer.training.rundir import CONFIG_YAML, TOKENIZER_JSON, open_run_dir
 from lit_transformer.training.trainer import build_trainer, finish_wandb
-
-
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill what a recipe leaves to the start of the run: its `auto` values (training.auto_resolve),
-    and what it may leave to its fine-tuning source: the source's tokenizer, and how a decoder
-    reads text (bidirectionally when the source is a mixture that trained that mode)."""
-    if cfg.finetune.from_ is None:
-        return resolve_auto(cfg)
-    source = resolve_source(cfg.finetune.from_)
-    if cfg.tokenizer.path is None:
-        if source.tokenizer is None:
-            raise RunError(f"finetune.from={cfg.finetune.from_} has no tokenizer.json; set tokenizer.path")
-        cfg = dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)))
-    if cfg.finetune.attention is None:
-        pretrained = source.run_config
-        mode = "bidirectional" if pretrained is not None and trains_bidirectional_mode(pretrained) else "causal"
-        cfg = dataclasses.replace(cfg, finetune=dataclasses.replace(cfg.finetune, attention=mode))
-    return cfg
 
 
 def data_module(cfg: RunConfig, run_dir: Path | None, model_vocab_size: int | None = None):
@@ -109,7 +92,7 @@ def train(cfg: RunConfig, *, callbacks: Sequence[Any] = (), progress_bar: bool =
     """Pretrain or fine-tune as the recipe says; returns the final validation metrics, and the
     test split's (`test/...`) when the recipe names one. The run directory ends up holding
     everything `rundir` lists."""
-    cfg = resolve(cfg)
+    cfg = finish_config(cfg)
     with cpu_threads(cfg.trainer.num_threads):
         return _train(cfg, callbacks, progress_bar)
 
@@ -305,7 +288,7 @@ def prepare(cfg: RunConfig) -> dict[str, Any]:
     from lit_transformer.data.tokens.prepare import format_summary
     from lit_transformer.data.tokens.prepare import prepare as prepare_data
 
-    cfg = resolve(cfg)
+    cfg = finish_config(cfg)
     run_dir = Path(cfg.run.dir)
     vocab = model_config(cfg).vocab_size if cfg.finetune.from_ is None else None
     if cfg.tasks:

@@ -117,37 +117,44 @@ def resolve_auto(
         return cfg
     measure = measure or measure_flops_per_second
     saved = _saved_values(cfg, keys)
-    if saved is not None:
-        return complete_model(auto.apply(cfg, saved), "recipe")
     inherited = json.loads(os.environ.get(ENV, "{}"))
-    if not is_main_process() and inherited.get("run_dir") == cfg.run.dir:
-        return complete_model(auto.apply(cfg, inherited["values"]), "recipe")
-    if _joined_group():
-        # A later run of a job whose ranks are already started (a script or sweep that trains
-        # again): the launcher passed no values for it, so rank 0 resolves and the others take its
-        # values (or its error), where each measuring its own speed could size another model
-        import torch.distributed as dist
-
-        outcome: list = [None]
-        if dist.get_rank() == 0:
-            try:
-                outcome = [_resolve_values(cfg, keys, measure, quiet)]
-            except Exception as error:  # the other ranks wait on the broadcast: they raise it too
-                outcome = [error]
-        dist.broadcast_object_list(outcome, src=0)
-        if isinstance(outcome[0], Exception):
-            raise outcome[0]
-        return complete_model(auto.apply(cfg, outcome[0]), "recipe")
-    if cfg.trainer.max_time is not None and _started_together():
+    if saved is not None:
+        values = saved
+    elif not is_main_process() and inherited.get("run_dir") == cfg.run.dir:
+        values = inherited["values"]
+    elif _joined_group():
+        values = _resolved_on_rank_zero(cfg, keys, measure, quiet)
+    elif cfg.trainer.max_time is not None and _started_together():
         raise RecipeError(
             f"{keys[0]}=auto measures this machine's speed, and every process of a torchrun or srun job would "
             "measure its own: resolve once with `lit-transformer pretrain RECIPE --print-config > resolved.yaml` "
             "and start the job on resolved.yaml"
         )
-    values = _resolve_values(cfg, keys, measure, quiet)
-    # the processes Lightning starts for this run (they are not the main process) take these
-    os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
+    else:
+        values = _resolve_values(cfg, keys, measure, quiet)
+        # the processes Lightning starts for this run (they are not the main process) take these
+        os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
     return complete_model(auto.apply(cfg, values), "recipe")
+
+
+def _resolved_on_rank_zero(
+    cfg: RunConfig, keys: list[str], measure: Callable[[TransformerConfig, RunConfig], float], quiet: bool
+) -> dict:
+    """A later run of a job whose ranks are already started (a script or sweep that trains
+    again): the launcher passed no values for it, so rank 0 resolves and the others take its
+    values (or its error), where each measuring its own speed could size another model."""
+    import torch.distributed as dist
+
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [_resolve_values(cfg, keys, measure, quiet)]
+        except Exception as error:  # the other ranks wait on the broadcast: they raise it too
+            outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _resolve_values(
