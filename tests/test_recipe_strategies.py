@@ -260,7 +260,7 @@ class _DataShape:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", PAPER_SCALE)
 def test_paper_recipe_builds_under_strategy(request, monkeypatch, name, strategy):
-    """The objective a paper recipe trains, built as the runner builds it (the registry, a meta
+    """The objective a paper recipe trains, built as commands/train.py builds it (the registry, a meta
     model under fsdp); under fsdp configure_model's sharding applied with every Block its own
     unit, nothing allocated (materialize, which allocates, is stubbed out)."""
     from torch.distributed.tensor import DTensor

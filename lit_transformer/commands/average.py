@@ -6,7 +6,7 @@ averaging the last 5 checkpoints, which were written at 10-minute intervals"; av
 along the end of the trajectory lands nearer the middle of the minimum the optimizer circles
 around. The mean is taken in float32 whatever the weights' dtype, and cast back; non-float
 buffers are taken from the newest checkpoint. Checkpoints are read one at a time (memory-mapped;
-sharded FSDP2 directories consolidated by checkpointing.read_checkpoint), so memory holds the
+sharded FSDP2 directories consolidated by training.checkpoints.read_checkpoint), so memory holds the
 running sum and one checkpoint's weights.
 """
 

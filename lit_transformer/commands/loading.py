@@ -3,7 +3,7 @@ names, loading the objective, language model, backbone or head it holds, and sav
 finished run's model.
 
 Which objective a source holds is read, never guessed: a checkpoint records it under
-checkpointing.OBJECTIVE_KEY, a final model in config.json's "objective". Only a directory that
+training.checkpoints.OBJECTIVE_KEY, a final model in config.json's "objective". Only a directory that
 lit-transformer did not write (a transformers checkpoint) is read as its architecture's
 default objective (registry.DEFAULT_FOR_ARCH). Every class comes from the registry.
 """

@@ -43,7 +43,7 @@ def eval_target(module: Any, cfg: RunConfig, tokenizer: Any, special: Any) -> Ev
 
 class NamedEvaluations(Callback):
     """Runs `evaluations` after each validation in fit, and `finish` runs what the last one left
-    out. The runner builds the evaluations before training starts, so a bad entry or a missing
+    out. commands/train.py builds the evaluations before training starts, so a bad entry or a missing
     file fails before the first step."""
 
     def __init__(self, evaluations: Sequence[Evaluation], cfg: RunConfig, tokenizer: Any, special: Any):

@@ -38,7 +38,7 @@ class EvalTarget:
     cfg: RunConfig  # the run's config: data keys (formats, max lengths), objective, tasks
     module: Any | None = None
     # a decoder that trained a bidirectional task (a mixture with mlm) reads classification
-    # inputs bidirectionally, as finetune does (recipe.mixture.trains_bidirectional_mode)
+    # inputs bidirectionally, as finetune does (recipe.tasks.trains_bidirectional_mode)
     bidirectional: bool = False
     # a decoder mixture that trained prefix_lm: a choice's context is read as a bidirectional prefix
     prefix_lm: bool = False

@@ -9,7 +9,7 @@ fused causal path.
 
 Logged per task (besides the mixture's train/loss, train/lr, ...):
   train/<task>/loss, train/<task>/ppl, train/<task>/bpb (clm and prefix_lm tasks: their loss
-  predicts the text in order, recipe.mixture's predicts_text_in_order), train/<task>/accuracy
+  predicts the text in order, recipe.tasks' predicts_text_in_order), train/<task>/accuracy
   (mlm: masked tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
   train/<task>/step_share, train/<task>/token_share: its share of the micro-batches and of the
   input tokens so far (saved in checkpoints, so a resumed run goes on counting);

@@ -24,7 +24,7 @@ bpb (bits per byte of the text) only where the loss predicts the text in order
 The non-finite guard costs one host-device sync per step (`skip_nonfinite=False` removes it).
 
 Every checkpoint records the objective's registered name and its model config under fixed
-keys (checkpointing.OBJECTIVE_KEY, MODEL_CONFIG_KEY), so loading never guesses. How a recipe
+keys (training.checkpoints.OBJECTIVE_KEY, MODEL_CONFIG_KEY), so loading never guesses. How a recipe
 builds an objective, how a checkpoint rebuilds it and what the final model directory holds
 are classmethods here that a subclass overrides where it differs (`from_recipe`,
 `from_hparams`, `final_model`, `final_head`, `from_final`).

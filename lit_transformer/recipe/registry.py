@@ -5,7 +5,7 @@ that trains it.
 The specs are plain data at the bottom of the package, so that reading a recipe can check
 `objective.name` against the model without importing Lightning. Each class registers itself
 with `@implements(name)` in its own module under objectives/; code that needs the class (the
-runner, model loading) imports `lit_transformer.objectives`, which imports every built-in
+commands/train.py, model loading) imports `lit_transformer.objectives`, which imports every built-in
 objective, and asks `objective_class(name)`. Adding an objective: a spec here, a module
 under objectives/ and its import in objectives/__init__.py.
 """
@@ -29,7 +29,7 @@ PromptStyle = Literal["continue", "transform", "fill_spans"]
 class ObjectiveSpec:
     name: str
     archs: tuple[str, ...]  # the model.arch values it trains
-    data: str  # the data pipeline's kind (collator, token cache), one of data.config.OBJECTIVES
+    data: str  # the data pipeline's kind (collator, token cache), one of data.data_config.OBJECTIVES
     length_keys: tuple[str, ...]  # data keys that bound the sequences the model reads
     # None: the objective does not write text; a dict: the style by model.arch (a mixture)
     prompt: PromptStyle | None | dict[str, PromptStyle]

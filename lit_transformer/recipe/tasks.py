@@ -29,7 +29,7 @@ from lit_transformer.recipe.schema import RunConfig, TaskConfig
 @dataclass(frozen=True)
 class TaskObjectiveSpec:
     archs: tuple[str, ...]  # model.arch values it trains
-    pipelines: dict  # model.arch -> the data pipeline's kind (data.config.OBJECTIVES): token cache, collator
+    pipelines: dict  # model.arch -> the data pipeline's kind (data.data_config.OBJECTIVES): token cache, collator
     parameters: tuple[str, ...] = ()  # the task keys of its objective (each replaces the data key of that name)
     length_keys: tuple[str, ...] = ("block_size",)  # data keys that bound what the model reads
     bidirectional: bool = False  # trains a decoder's fully bidirectional mode (classification reads it)

@@ -176,7 +176,7 @@ class SampleGenerations(Callback):
     """After every validation of a generative objective (clm, span, seq2seq), generate from a few
     fixed prompts and log them as a W&B table `samples` (and a JSON line in samples.jsonl).
 
-    `sample` returns (prompt, completion) pairs; the runner builds it from the objective's model,
+    `sample` returns (prompt, completion) pairs; commands/train.py builds it from the objective's model,
     tokenizer and validation data, so this file knows nothing about either. It must not draw
     from the global random generator (use greedy decoding or its own torch.Generator)."""
 

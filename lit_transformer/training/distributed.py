@@ -110,7 +110,7 @@ def materialize(module: torch.nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         if isinstance(sub, LanguageModel):
             sub.tie_weights()  # to_empty allocates a tied weight once per name
-            state = getattr(sub, "init_rng_state", None)  # set by the runner when it built the model
+            state = getattr(sub, "init_rng_state", None)  # set by commands/train.py when it built the model
             with torch.random.fork_rng(devices=[]), _WholeTensorDraws():
                 if state is not None:
                     torch.set_rng_state(state)

@@ -194,7 +194,7 @@ _RECIPE_RUN = [
 @pytest.mark.slow
 def test_recipe_keys_compile_and_checkpoint_the_trained_blocks(tmp_path):
     """`trainer.compile=true trainer.activation_checkpointing=true` reach the objective through
-    the runner: the blocks that trained were checkpointed and compiled, and the per-step losses
+    the training command: the blocks that trained were checkpointed and compiled, and the per-step losses
     equal a plain run's (no dropout: inductor draws its own dropout masks)."""
     from lightning.pytorch.callbacks import Callback
 

@@ -339,7 +339,7 @@ class MixtureDataModule(RankedDataModule):
         if self._modules is None:
             tok_cfg = dataclasses.replace(self.tokenizer_cfg, path=self._tokenizer_path)
             # rank and world size as given, else read when each loader is built (torch.distributed is
-            # initialised by then under DDP/FSDP; the runner prepares data before the trainer exists)
+            # initialised by then under DDP/FSDP; commands/train.py prepares data before the trainer exists)
             self._modules = [
                 TextDataModule(
                     task.data,

@@ -36,7 +36,7 @@ def cache_root(cache_dir: str | None) -> Path:
 @contextlib.contextmanager
 def cache_lock(root: Path):
     """Hold an exclusive lock on `<root>/.lock` for the duration. The processes of one node that
-    prepare data at once (every process under torchrun or srun: the runner prepares before the
+    prepare data at once (every process under torchrun or srun: commands/train.py prepares before the
     Trainer, and so before any process group, exists) then build each entry once. A filesystem
     without locks (some network mounts) goes unlocked: the atomic rename still keeps entries whole."""
     root = Path(root)
