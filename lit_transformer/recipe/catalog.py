@@ -22,7 +22,10 @@ SUFFIX = ".yaml"
 def recipe_folder() -> Path:
     """The shipped recipes' folder. A recipe names the files it extends relative to itself
     (`extends: base/tiny.yaml`), so the folder must be on disk, as pip installs every wheel."""
-    folder = resources.files(PACKAGE)
+    try:
+        folder = resources.files(PACKAGE)
+    except ModuleNotFoundError:  # a checkout on sys.path, not installed: the recipes/ beside the package
+        return Path(__file__).resolve().parents[2] / "recipes"
     if not isinstance(folder, Path):
         raise RecipeError(
             f"{PACKAGE}: the shipped recipes are inside an archive ({folder}); install the package unpacked"

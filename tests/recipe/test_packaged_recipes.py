@@ -21,6 +21,7 @@ from lit_transformer.commands.cli import main
 from lit_transformer.commands.info import info
 from lit_transformer.commands.recipes import list_recipes
 from lit_transformer.model.config import ConfigError
+from lit_transformer.recipe import catalog
 from lit_transformer.recipe.catalog import resolve_recipe, shipped_recipes
 from lit_transformer.recipe.load import RecipeError, load_recipe, to_yaml
 
@@ -37,6 +38,15 @@ def test_every_recipe_is_shipped_and_a_bare_name_reads_its_file(tmp_path, monkey
             assert resolve_recipe(arg).read_bytes() == (RECIPES / f"{name}.yaml").read_bytes(), arg
     # a shipped recipe extends its neighbours (tiny-clm-linear -> tiny-clm -> base/tiny.yaml)
     assert to_yaml(load_recipe("tiny-clm-linear")) == to_yaml(load_recipe(RECIPES / "tiny-clm-linear.yaml"))
+
+
+def test_a_checkout_on_the_path_without_an_install_reads_its_own_recipes(monkeypatch):
+    def not_installed(package):
+        raise ModuleNotFoundError(f"No module named {package!r}")
+
+    monkeypatch.setattr(catalog.resources, "files", not_installed)
+    assert catalog.recipe_folder() == RECIPES
+    assert resolve_recipe("tiny-clm") == RECIPES / "tiny-clm.yaml"
 
 
 def test_an_existing_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
