@@ -88,3 +88,33 @@ def test_every_relative_link_points_to_an_existing_file_and_heading():
             elif anchor and file.suffix == ".md" and anchor not in anchors(file):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, f"broken relative links: {broken}"
+
+
+# what runs and builds leave in a checkout (the quickstart's runs/, a wheel's build/ and dist/)
+GENERATED = {"runs", "build", "dist", "__pycache__", "wandb"}
+
+
+def readme_tree() -> str:
+    """The README's layout block: the code block that starts with `lit_transformer/`."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```\nlit_transformer/\n") + 4
+    return text[start : text.index("```", start)]
+
+
+def test_every_folder_appears_in_the_readme_tree():
+    tree = readme_tree()
+    lines = tree.splitlines()
+    missing = []
+    for init in sorted((ROOT / "lit_transformer").rglob("__init__.py")):
+        parts = init.parent.relative_to(ROOT / "lit_transformer").parts
+        if parts and not any(re.match(rf"^{'  ' * len(parts)}{parts[-1]}/\s", line) for line in lines):
+            missing.append("lit_transformer/" + "/".join(parts))
+    for top in sorted(p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if top.name in GENERATED or top.name.endswith(".egg-info") or top.name == "lit_transformer":
+            continue
+        if not any(line.startswith(f"{top.name}/ ") for line in lines):
+            missing.append(top.name)
+    tests_entry = tree[tree.index("\ntests/") :]
+    folders = [d for d in (ROOT / "tests").iterdir() if d.is_dir() and d.name not in GENERATED]
+    missing += [f"tests/{d.name}" for d in folders if f"{d.name}/" not in tests_entry]
+    assert missing == [], f"folders missing from README.md's layout block: {missing}"
