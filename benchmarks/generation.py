@@ -13,7 +13,8 @@ max_new_tokens), beam search without early stopping. Runs alternate ours / trans
 least 5 rounds by default. The ratio is computed one way only: ours tokens/s over transformers'
 as the table prints them (each side's median run), so every row can be checked from its own
 columns; beside it the range of the per-round ratios (theirs / ours seconds of one alternating
-pair), which says how much the rounds disagreed.
+pair), which says how much the rounds disagreed. On CPU each cell also says whether ours ran its
+linear layers on oneDNN-packed weights or plain F.linear, as measured at its warm-up.
 
     python benchmarks/generation.py --quick        # gpt2, batches 1 and 8, greedy, 32 tokens, 5 rounds
     python benchmarks/generation.py                # the whole matrix (slow on CPU: batch 32 x beam 4)
@@ -40,6 +41,7 @@ import common  # noqa: E402  (also puts the repository on sys.path)
 
 from lit_transformer.model import LanguageModel, TransformerConfig, preset  # noqa: E402
 from lit_transformer.model.generate import generate  # noqa: E402
+from lit_transformer.model.packed_linear import measured_choice  # noqa: E402
 
 SHAPES = ("gpt2", "t5")
 MODES = {"greedy": 1, "beam4": 4}  # mode -> beams
@@ -211,6 +213,8 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
     prompt = torch.randint(5, ours.config.vocab_size, (batch, args.prompt_length), generator=g).to(device)
     run_ours, run_theirs = decoders(shape, ours, theirs, prompt, beams, args.cuda_graph)
     run_ours(min(WARMUP_TOKENS, N)), run_theirs(min(WARMUP_TOKENS, N))
+    # ours' CPU linears: oneDNN-packed or plain F.linear, as measured in the warm-up (packed_linear.py)
+    choice = measured_choice(ours, batch * beams)
     times = {"ours": [], "theirs": []}
     for _ in range(args.rounds):  # alternating: a pair shares the machine's background load
         seconds, mine = timed(run_ours, N, device)
@@ -230,6 +234,8 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
         "transformers_tokens_per_s": batch * N / median["theirs"],
         "ratio": median["theirs"] / median["ours"],  # = the two tokens/s above, divided
         "ratio_range": [paired["min"], paired["max"]],  # of the rounds' own ratios
+        "ours_linears": None if choice is None else "packed" if choice["packed"] else "plain",
+        "linears_measured_s": None if choice is None else [choice["packed_s"], choice["plain_s"]],
         "identical_tokens": agree == 1.0,
         "token_agreement": agree,
         "bytes_per_step": read["total"],
@@ -256,7 +262,7 @@ def print_cells(report: dict, out=None) -> None:
         print(f"  {shape}: {description}", file=out)
     print(
         f"{'shape':<5} {'batch':>5} {'mode':<6} {'dtype':<8} {'ours tok/s':>10} {'hf tok/s':>9} "
-        f"{'ratio (range)':>19} {'tokens':>9} {'MB/step':>8} {'bw ours':>7} {'bw hf':>6}",
+        f"{'ratio (range)':>19} {'tokens':>9} {'MB/step':>8} {'bw ours':>7} {'bw hf':>6} {'linears':>7}",
         file=out,
     )
     for c in report["results"]:
@@ -267,7 +273,7 @@ def print_cells(report: dict, out=None) -> None:
             f"{c['shape']:<5} {c['batch']:>5} {c['mode']:<6} {c['dtype']:<8} {c['tokens_per_s']:>10.1f} "
             f"{c['transformers_tokens_per_s']:>9.1f} {ratio:>19} "
             f"{tokens:>9} {c['bytes_per_step'] / 1e6:>8.1f} {100 * c['bandwidth_utilisation']:>6.1f}% "
-            f"{100 * c['transformers_bandwidth_utilisation']:>5.1f}%",
+            f"{100 * c['transformers_bandwidth_utilisation']:>5.1f}% {c['ours_linears'] or '-':>7}",
             file=out,
         )
     for note in report["skipped"]:

@@ -43,6 +43,7 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEASURE_ROUNDS = 5  # alternating timed passes per side: a median of 5 outlasts one descheduled pass
 # (rows, torch threads, ((O, C, dtype, bias), ...) of the packed linears) -> packed was faster
 _CHOICES: dict[tuple, bool] = {}
+_MEDIANS: dict[tuple, tuple[float, float]] = {}  # the same keys -> (packed, plain) median seconds
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -100,6 +101,39 @@ def choices() -> dict[tuple, bool]:
     return dict(_CHOICES)
 
 
+def measured_choice(model: nn.Module, rows: int) -> dict | None:
+    """What `packed_linears(model, rows)` measured for this model's weight shapes at `rows` rows
+    and the current threads: {"packed": chosen, "packed_s", "plain_s": median seconds of one
+    step's products}; None before any measurement (or where nothing is packable)."""
+    key = _key(_targets(model), max(1, rows))
+    if key not in _MEDIANS:
+        return None
+    packed_s, plain_s = _MEDIANS[key]
+    return {"packed": _CHOICES[key], "packed_s": packed_s, "plain_s": plain_s}
+
+
+def _targets(model: nn.Module) -> list[nn.Linear]:
+    """The linears `packed_linears` packs: plain nn.Linear modules without hooks or a forward of
+    their own, whose weight is a plain CPU tensor (not a sharded DTensor) of a packed dtype."""
+    if not packing_available(model):
+        return []
+    return [
+        module
+        for module in model.modules()
+        if type(module) is nn.Linear
+        and type(module.weight.data) is torch.Tensor
+        and "forward" not in module.__dict__
+        and not (module._forward_hooks or module._forward_pre_hooks)
+        and module.weight.dtype in _PACKED_DTYPES
+        and module.weight.device.type == "cpu"
+    ]
+
+
+def _key(targets: list[nn.Linear], rows: int) -> tuple:
+    shapes = tuple((*m.weight.shape, m.weight.dtype, m.bias is not None) for m in targets)
+    return rows, torch.get_num_threads(), shapes
+
+
 def _measure(forwards: list[_PackedForward], rows: int) -> tuple[list[float], list[float]]:
     """Seconds of one decoding step's products (every linear once at `rows` rows), packed and
     plain F.linear in alternation, so that both sides share the machine's background load."""
@@ -142,29 +176,15 @@ def packed_linears(model: nn.Module, rows: int = 1, *, when: Literal["faster", "
     if when not in ("faster", "always"):
         raise ValueError(f"packed_linears: when={when!r}; choose 'faster' or 'always'")
     rows = max(1, rows)
-    targets: list[nn.Linear] = []
-    if packing_available(model):
-        targets = [
-            module
-            for module in model.modules()
-            if type(module) is nn.Linear
-            # a plain tensor: not a sharded (FSDP2 DTensor) or otherwise wrapped weight
-            and type(module.weight.data) is torch.Tensor
-            and "forward" not in module.__dict__
-            and not (module._forward_hooks or module._forward_pre_hooks)
-            and module.weight.dtype in _PACKED_DTYPES
-            and module.weight.device.type == "cpu"
-        ]
-    key = (
-        rows,
-        torch.get_num_threads(),
-        tuple((*m.weight.shape, m.weight.dtype, m.bias is not None) for m in targets),
-    )
+    targets = _targets(model)
+    key = _key(targets, rows)
     if when == "faster" and targets and _CHOICES.get(key) is False:
         targets = []  # measured before: plain F.linear wins, and packing would cost a copy
     forwards = [_PackedForward(module, rows) for module in targets]
     if when == "faster" and forwards and key not in _CHOICES:
-        _CHOICES[key] = packed_is_faster(*_measure(forwards, rows))
+        packed_s, plain_s = _measure(forwards, rows)
+        _CHOICES[key] = packed_is_faster(packed_s, plain_s)
+        _MEDIANS[key] = statistics.median(packed_s), statistics.median(plain_s)
         if not _CHOICES[key]:
             forwards = []
     for forward in forwards:
@@ -176,4 +196,4 @@ def packed_linears(model: nn.Module, rows: int = 1, *, when: Literal["faster", "
             del forward.linear.forward
 
 
-__all__ = ["choices", "packed_is_faster", "packed_linears", "packing_available"]
+__all__ = ["choices", "measured_choice", "packed_is_faster", "packed_linears", "packing_available"]

@@ -144,3 +144,5 @@ def test_a_tiny_end_to_end_run_matches_transformers_token_for_token(monkeypatch,
         assert cell["identical_tokens"], cell
         assert {"tokens_per_s", "transformers_tokens_per_s", "ratio", "ratio_range", "bytes_per_step"} <= set(cell)
         assert len(cell["seconds"]) == len(cell["transformers_seconds"]) == 1
+        if torch.backends.mkldnn.is_available():  # the path generate measured at the warm-up
+            assert cell["ours_linears"] in ("packed", "plain") and len(cell["linears_measured_s"]) == 2

@@ -101,6 +101,7 @@ def test_faster_packs_by_the_measurement_once_per_shape_class(packed_wins, monke
     """when="faster" times packed against plain once per (rows, threads, weight shapes), packs
     only where packed won, and reuses the answer for another model of the same shapes."""
     monkeypatch.setattr(packed_module, "_CHOICES", {})
+    monkeypatch.setattr(packed_module, "_MEDIANS", {})
     measured = []
 
     def fake_measure(forwards, rows):
@@ -110,6 +111,7 @@ def test_faster_packs_by_the_measurement_once_per_shape_class(packed_wins, monke
     monkeypatch.setattr(packed_module, "_measure", fake_measure)
     model, twin = odd_model(), odd_model()
     expected = len(linears(model)) if packed_wins else 0
+    assert packed_module.measured_choice(model, rows=6) is None
     with torch.inference_mode():
         for m in (model, twin, model):
             with packed_linears(m, rows=6) as count:
@@ -120,6 +122,9 @@ def test_faster_packs_by_the_measurement_once_per_shape_class(packed_wins, monke
             assert count == expected
     assert measured == [(len(linears(model)), 6), (len(linears(model)), 2)]
     assert list(packed_module.choices().values()) == [packed_wins, packed_wins]
+    seconds = {"packed_s": 1.0, "plain_s": 2.0} if packed_wins else {"packed_s": 2.0, "plain_s": 1.0}
+    assert packed_module.measured_choice(twin, rows=6) == {"packed": packed_wins, **seconds}
+    assert packed_module.measured_choice(model.to(torch.bfloat16), rows=6) is None  # another dtype: not measured
     with pytest.raises(ValueError, match="when='sometimes'"):
         with packed_linears(model, when="sometimes"):
             pass
