@@ -137,30 +137,8 @@ def build(
     for split in ("train", "validation", "test"):
         if split not in sources:
             continue
-        source = sources[split]
-        if kind == "lm":
-            options = ["lm", *block_params(objective, data_cfg)]
-        elif kind == "classify":
-            options = [
-                "classify",
-                data_cfg.max_length,
-                data_cfg.task,
-                data_cfg.text_pair_column,
-                out.label_names if split != "train" else None,
-            ]
-        else:
-            options = ["seq2seq", data_cfg.max_length, data_cfg.max_target_length]
-        key = cache_key(source.fingerprint(), fingerprint_config(data_cfg), tok_hash, options)
         t0 = time.perf_counter()
-        entry = open_cache(root, key)
-        cached = entry is not None
-        if entry is None:
-            if not build:
-                raise DataError(
-                    f"{split} split of {source.describe}: no token cache at {root / key}; "
-                    "run prepare_data (lit-transformer prepare) first"
-                )
-            entry = _write_split(root, key, source, kind, objective, data_cfg, tokenizer, special, out.label_names)
+        entry, cached = split_entry(sources[split], objective, data_cfg, out, tok_hash, build=build)
         if kind == "classify" and split == "train":
             out.label_names = entry.meta["label_names"]
         out.entries[split] = entry
@@ -175,6 +153,34 @@ def build(
         )
         out.summaries["train"]["store"] = {"path": str(out.store), "seconds": round(seconds, 3), "cached": not written}
     return out
+
+
+def split_entry(
+    source: SplitSource, objective: str, data_cfg: DataConfig, out: Prepared, tok_hash: str, *, build: bool
+) -> tuple[CacheEntry, bool]:
+    """(the token cache entry of one split, whether it was there already): opened, or written
+    when `build`. A classification split other than train is numbered by out.label_names (the
+    training split's labels), which are part of its key."""
+    kind = objective_kind(objective)
+    if kind == "lm":
+        options = ["lm", *block_params(objective, data_cfg)]
+    elif kind == "classify":
+        labels = out.label_names if source.split != "train" else None
+        options = ["classify", data_cfg.max_length, data_cfg.task, data_cfg.text_pair_column, labels]
+    else:
+        options = ["seq2seq", data_cfg.max_length, data_cfg.max_target_length]
+    root = cache_root(data_cfg.cache_dir)
+    key = cache_key(source.fingerprint(), fingerprint_config(data_cfg), tok_hash, options)
+    entry = open_cache(root, key)
+    if entry is not None:
+        return entry, True
+    if not build:
+        raise DataError(
+            f"{source.split} split of {source.describe}: no token cache at {root / key}; "
+            "run prepare_data (lit-transformer prepare) first"
+        )
+    entry = _write_split(root, key, source, kind, objective, data_cfg, out.tokenizer, out.special, out.label_names)
+    return entry, False
 
 
 def require_litdata() -> None:
