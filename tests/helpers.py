@@ -210,3 +210,19 @@ def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def optional(module: str, extra: str):
+    """`module` of an optional library, imported; a skip naming the library and its extra only
+    where the library is not installed at all. An installed library that fails to import, or a
+    module of ours that does, fails the test instead of hiding behind a skip."""
+    import importlib
+    import importlib.util
+
+    import pytest
+
+    library = module.partition(".")[0]
+    if importlib.util.find_spec(library) is None:
+        reason = f"{library} is not installed: scripts/install.sh installs it with the '{extra}' extra"
+        pytest.skip(reason, allow_module_level=True)
+    return importlib.import_module(module)

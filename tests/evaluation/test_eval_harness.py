@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import seeded_model, tiny_config
+from helpers import optional, seeded_model, tiny_config
 
 from lit_transformer.data.sources import stdlib
 from lit_transformer.data.tokens.tokenizer import SpecialTokens, train_tokenizer
@@ -21,7 +21,7 @@ from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig, TokenizerConfig
 
-lm_eval = pytest.importorskip("lm_eval")
+lm_eval = optional("lm_eval", "eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.model import TemplateLM  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402

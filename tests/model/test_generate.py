@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import seeded_model
+from helpers import optional, seeded_model
 
 from lit_transformer.model import preset
 from lit_transformer.model.generate import (
@@ -22,6 +22,7 @@ from lit_transformer.model.generate import (
     left_pad,
     positions_from_mask,
 )
+from lit_transformer.model.interop.directories import load_pretrained
 
 V = 99
 CONFIGS = {
@@ -328,7 +329,7 @@ def test_restores_training_mode():
 
 
 def _hf_model(family: str):
-    transformers = pytest.importorskip("transformers")
+    transformers = optional("transformers", "dev")
     torch.manual_seed(0)
     if family == "gpt2":
         config = transformers.GPT2Config(
@@ -367,10 +368,6 @@ def test_matches_transformers_generate(tmp_path, family):
     """Greedy and beam search (eos, several length penalties) give HF's tokens exactly.
     HF's early_stopping="never" is the exact stopping rule implemented here. The pad id is
     not 0: HF 5.23 fills finished beams with `pad_token_id or eos`, so a pad of 0 becomes eos."""
-    try:
-        from lit_transformer.model.interop.directories import load_pretrained
-    except ImportError:
-        pytest.skip("lit_transformer.model.interop.directories.load_pretrained is not available")
     os.environ["HF_HUB_OFFLINE"] = "1"
     hf = _hf_model(family)
     hf.save_pretrained(tmp_path)

