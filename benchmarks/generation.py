@@ -41,7 +41,7 @@ import common  # noqa: E402  (also puts the repository on sys.path)
 
 from lit_transformer.model import LanguageModel, TransformerConfig, preset  # noqa: E402
 from lit_transformer.model.generate import generate  # noqa: E402
-from lit_transformer.model.packed_linear import measured_choice  # noqa: E402
+from lit_transformer.model.packed_linear import measured_choice, packed_linears  # noqa: E402
 
 SHAPES = ("gpt2", "t5")
 MODES = {"greedy": 1, "beam4": 4}  # mode -> beams
@@ -82,6 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument(
         "--no-cuda-graph", dest="cuda_graph", action="store_false", help="ours without CUDA graphs (the eager step)"
+    )
+    p.add_argument(
+        "--linears",
+        choices=("measured", "packed", "plain"),
+        default="measured",
+        help="ours' CPU linear layers: as generate measures them on this machine (default), or forced "
+        "to oneDNN-packed weights or plain F.linear, to compare the two paths",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
     p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="also write JSON to PATH (stdout without PATH)")
@@ -198,6 +205,27 @@ def decoders(shape: str, ours, theirs, prompt: torch.Tensor, beams: int, cuda_gr
     return run_ours, run_theirs
 
 
+def forced_linears(run_ours, model, rows: int, path: str):
+    """run_ours with its linears forced to one path. Packed: an outer packed_linears block, inside
+    which generate's own is a no-op. Plain: each nn.Linear's own forward set as an instance
+    attribute, which packed_linears leaves alone (it packs only modules without one)."""
+
+    def run(n: int) -> torch.Tensor:
+        if path == "packed":
+            with packed_linears(model, rows, when="always"):
+                return run_ours(n)
+        linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        for m in linears:
+            m.forward = m.forward  # the bound nn.Linear.forward: plain F.linear, same cost
+        try:
+            return run_ours(n)
+        finally:
+            for m in linears:
+                del m.forward
+
+    return run
+
+
 def timed(fn, n: int, device: str) -> tuple[float, torch.Tensor]:
     common.sync(device)
     start = time.perf_counter()
@@ -212,9 +240,11 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
     g = torch.Generator().manual_seed(batch)
     prompt = torch.randint(5, ours.config.vocab_size, (batch, args.prompt_length), generator=g).to(device)
     run_ours, run_theirs = decoders(shape, ours, theirs, prompt, beams, args.cuda_graph)
+    if args.linears != "measured":
+        run_ours = forced_linears(run_ours, ours, batch * beams, args.linears)
     run_ours(min(WARMUP_TOKENS, N)), run_theirs(min(WARMUP_TOKENS, N))
     # ours' CPU linears: oneDNN-packed or plain F.linear, as measured in the warm-up (packed_linear.py)
-    choice = measured_choice(ours, batch * beams)
+    choice = measured_choice(ours, batch * beams) if args.linears == "measured" else None
     times = {"ours": [], "theirs": []}
     for _ in range(args.rounds):  # alternating: a pair shares the machine's background load
         seconds, mine = timed(run_ours, N, device)
@@ -234,7 +264,13 @@ def run_cell(args, shape: str, models, batch: int, mode: str, dtype: str, bandwi
         "transformers_tokens_per_s": batch * N / median["theirs"],
         "ratio": median["theirs"] / median["ours"],  # = the two tokens/s above, divided
         "ratio_range": [paired["min"], paired["max"]],  # of the rounds' own ratios
-        "ours_linears": None if choice is None else "packed" if choice["packed"] else "plain",
+        "ours_linears": args.linears
+        if args.linears != "measured"
+        else None
+        if choice is None
+        else "packed"
+        if choice["packed"]
+        else "plain",
         "linears_measured_s": None if choice is None else [choice["packed_s"], choice["plain_s"]],
         "identical_tokens": agree == 1.0,
         "token_agreement": agree,

@@ -146,3 +146,21 @@ def test_a_tiny_end_to_end_run_matches_transformers_token_for_token(monkeypatch,
         assert len(cell["seconds"]) == len(cell["transformers_seconds"]) == 1
         if torch.backends.mkldnn.is_available():  # the path generate measured at the warm-up
             assert cell["ours_linears"] in ("packed", "plain") and len(cell["linears_measured_s"]) == 2
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_forced_linears_hold_ours_to_one_path_and_are_undone():
+    from lit_transformer.model.packed_linear import packed_linears
+
+    cfg = preset("gpt2-small", vocab_size=10, d_model=4, n_heads=2, n_layers=1, d_ff=8, max_seq_len=16)
+    model = LanguageModel.from_config(cfg)
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+    def run_ours(n):  # what generate's own packed_linears block would pack inside the run
+        with packed_linears(model, rows=3, when="always") as count:
+            return count, {type(m.__dict__.get("forward")).__name__ for m in linears}
+
+    assert generation.forced_linears(run_ours, model, 3, "plain")(1) == (0, {"method"})
+    assert generation.forced_linears(run_ours, model, 3, "packed")(1) == (0, {"_PackedForward"})
+    assert run_ours(1) == (len(linears), {"_PackedForward"})  # nothing left behind by either
+    assert not any("forward" in m.__dict__ for m in linears)
