@@ -244,7 +244,8 @@ class BatchGenerator:
             batch_tokens=self.batch_tokens,
             num_beams=self.decoding.num_beams,
         )
-        # packed once for all batches, not once per generate call, for the rows of a full batch
+        # packed once for all batches, not once per generate call, for the rows of a full batch,
+        # where packed measured faster than plain F.linear at those rows (packed_linear.py)
         rows = min(self.batch_size or len(prompts), len(prompts)) * self.decoding.num_beams
         with packed_linears(self.model, rows=rows):
             for rows in batches:

@@ -6,8 +6,8 @@ search functions only choose tokens. Decoder-only prompts are left-padded intern
 row appends at the same column; positions come from the attention mask, so padding shifts
 nothing. Without the cache every step recomputes the full forward: the reference the cache is
 tested against (tests/model/test_generate.py). On CPU the linear layers run on oneDNN-packed weights
-while decoding (packed_linear.py); `benchmarks/generation.py` measures decoding against
-transformers' generate.
+while decoding where that measured faster than plain F.linear on this machine (packed_linear.py);
+`benchmarks/generation.py` measures decoding against transformers' generate.
 
 Shape legend: B prompts, N beams per prompt, R = B*N rows the model sees, T prompt length,
 W buffer width (prompt + new tokens), G generated length, V vocabulary, C model width.
@@ -353,7 +353,8 @@ def generate_with(
     was_training = model.training
     model.eval()
     try:
-        # weights pre-packed for oneDNN while decoding on CPU (packed_linear.py)
+        # weights pre-packed for oneDNN while decoding on CPU, where a first measurement at
+        # these rows found them faster than plain F.linear on this machine (packed_linear.py)
         with packed_linears(model, rows=input_ids.shape[0] * config.num_beams):
             decoder = StepDecoder(
                 model,
