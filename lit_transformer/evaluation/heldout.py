@@ -1,31 +1,34 @@
-"""`kind: heldout`: the run's objective's own metrics (loss, perplexity, bits per byte, as fits
-the objective) on a named text set, as `evaluate --data FILE` computes them on that file.
+"""`kind: heldout`: the run's objective's own metrics (loss, perplexity, bits per byte, accuracy,
+macro_f1, as fit the objective) on a named set: what training logs under val/ and test/.
 
-The set is the entry's files (any format the data pipeline reads; the entry's format,
-text_format and text_column override the run's data keys where set), or `embedded:
-stdlib_text`, the embedded standard-library corpus's validation split (what the data pipeline
-reads when data.train_files is empty). Either way it is tokenised and packed once, in build(),
-through the objective's own data module (the token cache keeps it across runs), so a call only
-collates and runs the model. A mixture reports every task's metrics as `<task>/<metric>`.
+The set is the run's own `split` (validation or test: the numbers training logged for the same
+weights), or the entry's files (any format the data pipeline reads; the entry's format,
+text_format and text_column override the run's data keys where set; a seq2seq run's aligned
+source files with their target_files), or `embedded: stdlib_text`, the embedded standard-library
+corpus's validation split. Either way that one split is tokenised and packed once, in build(),
+by data/modules/split_reader.py (the token cache keeps it across runs; no training text is read),
+so a call only collates and runs the model. A mixture reports every task's metrics as
+`<task>/<metric>`; with `task`, that task's alone under the single objective's names.
 
 max_examples caps the evaluation rows (the packed blocks of data.block_size tokens, or a
-seq2seq task's examples), in whole evaluation batches of data.eval_batch_size rows: it counts
-what is computed, where a cap on documents would leave the cost to their lengths.
+seq2seq task's examples), in whole evaluation batches of data.eval_batch_size rows (per task):
+it counts what is computed, where a cap on documents would leave the cost to their lengths.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from lit_transformer.errors import RunError
+from lit_transformer.errors import RunError, closest
 from lit_transformer.evaluation.eval_target import EvalTarget
-from lit_transformer.recipe import registry
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training.rundir import LABELS_JSON
 
 # what evaluate and heldout report for the names the objectives log under val/ and test/
 EVALUATE_NAMES = {
@@ -34,10 +37,6 @@ EVALUATE_NAMES = {
     "masked_accuracy": "accuracy",
     "token_accuracy": "accuracy",
 }
-# The data pipeline builds a training split whatever it is asked: for the embedded corpus the
-# heldout set is its validation split, and its 12 MB training split is cut to this many bytes,
-# tokenised for nothing, instead of the whole of it.
-UNREAD_TRAIN_BYTES = 1 << 16
 # the data keys that say where a run's text comes from and how much of it is read: all replaced
 _SOURCE_KEYS = (
     "train_files",
@@ -57,27 +56,21 @@ _SOURCE_KEYS = (
 
 
 def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
-    """The run's config reading the entry's text as its training and validation split, whole
-    (none of the run's caps), from a token cache (not streamed). Workers: none, since an
-    evaluation inside a training step would start worker processes at every call. A mixture's
-    tasks lose their own source keys, so every task reads the entry's text."""
-    changes: dict[str, Any] = dict(
-        test_files=[],
-        source_files=[],
-        target_files=[],
-        val_source_files=[],
-        val_target_files=[],
-        hub_name=None,
-        max_documents=None,
-        max_train_bytes=None,
-        max_val_bytes=None,
-        streaming=False,
-        store="cache",  # a held-out set is read whole from the cache; the run's store holds its training blocks
-        num_workers=0,
+    """The run's config whose validation split is the entry's set, whole (none of the run's caps),
+    from the token cache (not streamed). A mixture's tasks lose their own source keys, so every
+    task reads the entry's set. The run's config itself for an entry of the run's own split."""
+    if entry.split is not None:
+        return cfg
+    changes: dict[str, Any] = {key: None for key in ("hub_name", "max_documents", "max_train_bytes", "max_val_bytes")}
+    changes.update(
+        dict.fromkeys(("test_files", "source_files", "target_files", "val_source_files", "val_target_files"), [])
     )
+    changes.update(streaming=False)
     if entry.embedded == "stdlib_text":
-        changes.update(train_files=[], val_files=[], max_train_bytes=UNREAD_TRAIN_BYTES)
-    else:
+        changes.update(train_files=[], val_files=[])
+    elif entry.target_files:  # aligned pairs: only the validation side is read
+        changes.update(train_files=[], val_files=[], val_source_files=entry.files, val_target_files=entry.target_files)
+    else:  # a training split must be named beside it; it is never read
         changes.update(train_files=list(entry.files), val_files=list(entry.files))
     for key in ("format", "text_format", "text_column"):
         if getattr(entry, key) is not None:
@@ -88,36 +81,58 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
         raise RunError(f"eval.{entry.name}: {error}") from None
     cleared = {k: None for k in (*_SOURCE_KEYS, "format", "text_format", "text_column")}
     tasks = [dataclasses.replace(t, data=dataclasses.replace(t.data, **cleared)) for t in cfg.tasks]
-    return dataclasses.replace(cfg, data=data, tasks=tasks, objective=dataclasses.replace(cfg.objective, bleu=False))
+    return dataclasses.replace(cfg, data=data, tasks=tasks)
+
+
+def run_labels(cfg: RunConfig) -> list | None:
+    """A classification run's label names, in the model's order: its labels.json, which the run
+    directory keeps beside the tokenizer.json that cfg.tokenizer.path names."""
+    if cfg.tokenizer.path is None:
+        return None
+    path = Path(cfg.tokenizer.path).parent / LABELS_JSON
+    return json.loads(path.read_text()).get("labels") if path.is_file() else None
 
 
 class Heldout:
-    """A named text set, tokenised and packed once; calling it computes the module's metrics."""
+    """A named set, tokenised and packed once; calling it computes the module's metrics."""
 
     def __init__(self, entry: EvalConfig, cfg: RunConfig):
-        import lit_transformer.objectives  # noqa: F401  (registers the objective classes)
+        from lit_transformer.data.modules.split_reader import read_split
         from lit_transformer.data.sources.files import resolve_files
         from lit_transformer.errors import DataError
+        from lit_transformer.recipe.tasks import data_plan
 
         self.entry = entry
+        self.split = entry.split or "validation"
         self.cfg = heldout_config(entry, cfg)
+        where = f"eval.{entry.name}"
         if self.cfg.tokenizer.path is None:
-            raise RunError(f"eval.{entry.name}: heldout reads the run's tokenizer.json; tokenizer.path is not set")
+            raise RunError(f"{where}: heldout reads the run's tokenizer.json; tokenizer.path is not set")
+        names = [t.name for t in cfg.tasks]
+        if entry.task is not None and not names:
+            raise RunError(f"{where}.task={entry.task}: a {cfg.objective.name} run is one objective, not a mixture")
+        if entry.task is not None and entry.task not in names:
+            raise RunError(f"{where}.task={entry.task}: the mixture's tasks are {names}{closest(entry.task, names)}")
+        # the model's labels: the run's own split is numbered by them, as training numbered it
+        self.labels = run_labels(self.cfg)
+        # Every rank reads the whole set as one process would (the reader knows no ranks): left to
+        # torch.distributed, each rank took every other row and max_examples rows of its own. The
+        # objective's metrics still sum over the ranks: identical sums leave their ratios unchanged.
         try:
-            if entry.files:  # named by the entry's key, before the pipeline names data.train_files
-                resolve_files(entry.files, f"eval.{entry.name}.files", self.cfg.data.format)
-            self.data = registry.objective_class(self.cfg.objective.name).data_module(self.cfg, None, None, 0)
-            # Every rank reads the whole set as one process would: left to torch.distributed, each
-            # rank's loader took every other row and max_examples rows of its own (twice the rows
-            # of a one-process run, other numbers). The objective's metrics still sum over the
-            # ranks when they compute: identical sums on every rank leave their ratios unchanged.
-            self.data.read_whole()
-            self.data.prepare_data()
-            self.data.setup("fit")
+            for key in ("files", "target_files"):  # named by the entry's key, not by a data key
+                if getattr(entry, key):
+                    resolve_files(getattr(entry, key), f"{where}.{key}", self.cfg.data.format)
+            self.data = read_split(
+                data_plan(self.cfg),
+                self.split,
+                label_names=self.labels if entry.split is not None else None,
+                max_examples=entry.max_examples,
+            )
         except DataError as error:
-            raise RunError(f"eval.{entry.name}: {error}") from None
-        eval_rows = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
-        self.max_batches = None if entry.max_examples is None else math.ceil(entry.max_examples / eval_rows)
+            raise RunError(f"{where}: {error}") from None
+        if not self.data.has_split:
+            named = " (the recipe names no data.test_files)" if self.split == "test" else ""
+            raise RunError(f"{where}: the run's data has no {self.split} split{named}")
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         from lit_transformer.objectives import evaluate_batches
@@ -129,10 +144,10 @@ class Heldout:
                 "objective module (a run or checkpoint), not a bare model directory"
             )
         out: dict[str, float] = {}
-        with measured_on(module, self.data, "validation"):
-            for prefix, batches in module.evaluation_streams(self.data, None, "validation"):
-                batches = module.evaluation_batches(batches, self.data.label_names, None)
-                for key, value in evaluate_batches(module, batches, self.max_batches).items():
+        with measured_on(module, self.data, self.split):
+            for prefix, batches in module.evaluation_streams(self.data, self.entry.task, self.split):
+                batches = module.evaluation_batches(batches, self.data.label_names, self.labels)
+                for key, value in evaluate_batches(module, batches).items():
                     name = key.rsplit("/", 1)[-1]  # a mixture's metrics come as <task>/<name>
                     out[prefix + EVALUATE_NAMES.get(name, name)] = float(value)
         return out

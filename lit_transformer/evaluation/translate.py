@@ -1,22 +1,33 @@
 """`kind: translate`: corpus BLEU and chrF (sacrebleu, with their signatures) of the model's
-translations of aligned source/target files, one sentence per line: the measurement
-`evaluate --data SRC --data-target REF` makes, and `objective.bleu` makes on the validation
-split during training.
+translations of aligned source/target files, one sentence per line, or of the run's own `split`
+(validation or test) of a seq2seq run: the measurement `objective.bleu` makes on the validation
+split during training, over every sentence.
 
 Decoding is greedy or beam search (the entry's num_beams, length_penalty, max_new_tokens, else
 objective.num_beams, objective.length_penalty and data.max_target_length), in the prompt style
 the registry gives the run's objective and architecture. The weights decode in their current
-dtype: `evaluate` casts its own copy, but an evaluation in training must leave the model as it
-found it (bf16 decoding is the run's autocast's business, set by suite.run_suite). The entry's
+dtype, where they are: an evaluation in training must leave the model as it found it (bf16
+decoding is the run's autocast's business, set by suite.run_suite). `evaluate` may ask for another
+dtype, device and batching (`decode_with`): the evaluation then decodes a cast copy. The entry's
 `mode_token` leads every prompt, as a mixture's TaskCollator led the inputs in training.
 """
 
 from __future__ import annotations
 
+import copy
 from itertools import islice
 
 from lit_transformer.errors import RunError
-from lit_transformer.evaluation.batch_generate import BatchGenerator, ContextNotes, Decoding, translation_scores
+from lit_transformer.evaluation.batch_generate import (
+    BATCH_ROWS,
+    BATCH_TOKENS,
+    BatchGenerator,
+    ContextNotes,
+    Decoding,
+    decoding_device,
+    decoding_dtype,
+    translation_scores,
+)
 from lit_transformer.evaluation.choice import ModeToken
 from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.recipe import registry
@@ -24,9 +35,10 @@ from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.registry import PromptStyle
 from lit_transformer.recipe.schema import RunConfig
 
-# what a call reports: the scores and their size (translation_scores also returns strings,
-# the signatures, kept on the evaluation, and the decoding speed, which suite.py times instead)
+# what a call reports: the scores and their size; the rest of what translation_scores returns is
+# kept on the evaluation as `details` (the signatures are strings, and training logs no speeds)
 REPORTED = ("bleu", "chrf", "sentences")
+DETAILS = ("bleu_signature", "chrf_signature", "dtype", "device", "sentences_per_s", "tokens_per_s")
 
 
 class Translate:
@@ -40,7 +52,10 @@ class Translate:
             num_beams=entry.num_beams if entry.num_beams is not None else cfg.objective.num_beams,
             length_penalty=entry.length_penalty if entry.length_penalty is not None else cfg.objective.length_penalty,
         )
-        self.signatures: dict[str, str] = {}  # bleu_signature, chrf_signature of the last call
+        self.details: dict[str, str | float] = {}  # DETAILS of the last call
+        self.batching = dict(batch_size=BATCH_ROWS, batch_tokens=BATCH_TOKENS)
+        self.cast: tuple[str, str] | None = None  # (dtype, device) of a decoding copy (decode_with)
+        self.progress_bar = False
         self.mode_token = ModeToken(entry)
         if cfg.model.arch is not None:  # known before training (a fine-tuning recipe's comes with its source)
             self.style(cfg.model.arch)
@@ -55,28 +70,45 @@ class Translate:
             )
         return style
 
+    def decode_with(
+        self, *, batch_size: int | None, batch_tokens: int | None, dtype: str, device: str, progress_bar: bool
+    ) -> None:
+        """Decode a copy of the weights in `dtype` on `device` (decoding_dtype, decoding_device:
+        "auto" picks), in batches of these limits: `evaluate`'s flags, outside training."""
+        decoding_dtype(dtype, decoding_device(device))  # a bad name fails before any model is loaded
+        self.batching = dict(batch_size=batch_size, batch_tokens=batch_tokens)
+        self.cast, self.progress_bar = (dtype, device), progress_bar
+
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         style = self.style(target.arch)
+        model = target.model
+        if self.cast is not None:
+            where = decoding_device(self.cast[1])
+            model = copy.deepcopy(model).to(device=where, dtype=decoding_dtype(self.cast[0], where))
         generate = BatchGenerator(
-            target.model,
+            model,
             target.tokenizer,
             target.special,
             style,
             self.decoding,
+            **self.batching,
             notes=ContextNotes(lines=[]),
             mode_token_id=self.mode_token.id(target.tokenizer),
         )
-        scores = translation_scores(generate, iter(self.pairs), progress_bar=False)
-        self.signatures = {k: scores[k] for k in ("bleu_signature", "chrf_signature")}
+        scores = translation_scores(generate, iter(self.pairs), progress_bar=self.progress_bar)
+        self.details = {k: scores[k] for k in DETAILS}
         return {k: float(scores[k]) for k in REPORTED}
 
 
 def read_pairs(entry: EvalConfig, cfg: RunConfig) -> list[tuple[str, str]]:
     """(source, reference) lines of entry.files and entry.target_files, file by file, read as the
-    data pipeline reads aligned files (a pair with a blank side is skipped); the first max_examples."""
+    data pipeline reads aligned files (a pair with a blank side is skipped), or the pairs of the
+    run's own split; the first max_examples."""
     from lit_transformer.data.sources.files import ReadStats, aligned_lines, count_lines, resolve_files
     from lit_transformer.errors import DataError
 
+    if entry.split is not None:
+        return split_pairs(entry, cfg)
     try:
         sources = resolve_files(entry.files, f"eval.{entry.name}.files")
         targets = resolve_files(entry.target_files, f"eval.{entry.name}.target_files")
@@ -101,6 +133,27 @@ def read_pairs(entry: EvalConfig, cfg: RunConfig) -> list[tuple[str, str]]:
     out = list(islice(pairs, entry.max_examples))
     if not out:
         raise RunError(f"eval.{entry.name}: no sentence pairs in {[str(p) for p in sources]}")
+    return out
+
+
+def split_pairs(entry: EvalConfig, cfg: RunConfig) -> list[tuple[str, str]]:
+    """The first max_examples (source, target) pairs of the run's own split, as training reads them."""
+    from lit_transformer.data.sources.corpus import build_sources
+    from lit_transformer.data.sources.files import ReadStats
+    from lit_transformer.errors import DataError
+
+    where = f"eval.{entry.name}.split={entry.split}"
+    try:
+        source = build_sources(cfg.data, registry.spec(cfg.objective.name).data).get(entry.split)
+        if source is None:
+            named = " (the recipe names no data.test_files)" if entry.split == "test" else ""
+            raise RunError(f"{where}: the run's data has no {entry.split} split{named}")
+        out = list(islice(source.iterate(ReadStats()), entry.max_examples))
+    except DataError as error:
+        raise RunError(f"{where}: {error}") from None
+    # a seq2seq run's split yields (source, target); documents and labelled rows are no pairs
+    if not out or not all(isinstance(p, tuple) and len(p) == 2 for p in out):
+        raise RunError(f"{where}: the split of this {cfg.objective.name} run holds no sentence pairs")
     return out
 
 

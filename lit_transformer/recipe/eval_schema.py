@@ -1,4 +1,4 @@
-"""The recipe's `eval` section: named evaluations run during training and by `evaluate --suite`.
+"""The recipe's `eval` section: named evaluations run during training and by `evaluate`.
 
 One flat dataclass for every kind (as TaskConfig is for every objective of a mixture): an
 entry sets the keys its kind reads, and `__post_init__` refuses, in one line naming the
@@ -22,6 +22,9 @@ from lit_transformer.recipe.entries import build_entry, list_entries
 # harness's acc and acc_norm); translate: BLEU and chrF of decoded source sentences
 EvalKind = Literal["heldout", "classify", "choice", "translate"]
 EVAL_KINDS = typing.get_args(EvalKind)
+# heldout, translate: the run's own split instead of files (what training logged as val/ or test/)
+Split = Literal["validation", "test"]
+SPLITS = typing.get_args(Split)
 # linear: frozen backbone features, pooled as finetune pools, then logistic regression;
 # finetune: a copy of the backbone fine-tuned with a fresh head for `steps` steps
 ProbeMode = Literal["linear", "finetune"]
@@ -39,7 +42,7 @@ EMBEDDED_KIND = {
 
 # the keys each kind reads besides name, kind, every_n_steps, max_examples and embedded
 KIND_KEYS = {
-    "heldout": ("files", "format", "text_format", "text_column"),
+    "heldout": ("files", "target_files", "split", "task", "format", "text_format", "text_column"),
     "classify": (
         "files",
         "train_files",
@@ -54,7 +57,7 @@ KIND_KEYS = {
         "mode_token",
     ),
     "choice": ("files", "mode_token"),
-    "translate": ("files", "target_files", "num_beams", "length_penalty", "max_new_tokens", "mode_token"),
+    "translate": ("files", "target_files", "split", "num_beams", "length_penalty", "max_new_tokens", "mode_token"),
 }
 COMMON_KEYS = ("name", "kind", "every_n_steps", "max_examples", "embedded")
 
@@ -67,11 +70,14 @@ class EvalConfig:
     every_n_steps: int | None = None
     max_examples: int | None = None  # the first N examples (rows, sentences, documents); null: all
     embedded: Embedded | None = None  # a built-in set instead of files (its kind must match)
+    split: Split | None = None  # heldout, translate: the run's own split instead of files
+    task: str | None = None  # heldout of a mixture: only this task, under the single objective's names
     # heldout: text files or globs (any format data reads); classify: the labelled dev file(s);
     # choice: jsonl rows {context, choices, label}; translate: source sentences, one per line
     files: list[str] = field(default_factory=list)
     train_files: list[str] = field(default_factory=list)  # classify: the probe's labelled training file(s)
-    target_files: list[str] = field(default_factory=list)  # translate: reference sentences aligned with files
+    # translate (and heldout of a seq2seq run): reference sentences aligned line by line with files
+    target_files: list[str] = field(default_factory=list)
     # how the files read, as the data section's keys of the same names (null: the run's data section's value)
     format: str | None = None
     text_format: str | None = None
@@ -107,17 +113,28 @@ class EvalConfig:
                 raise RecipeError(
                     f"{where}.{f.name}: a {self.kind} evaluation does not read {f.name} (it is for {', '.join(users)})"
                 )
-        if self.embedded is not None:
+        if self.split is not None:
+            if self.split not in SPLITS:
+                raise RecipeError(f"{where}.split={self.split!r} is not one of {list(SPLITS)}")
+            if self.embedded is not None or self.files or self.target_files:
+                raise RecipeError(f"{where}: split={self.split!r} reads the run's own data; it takes no files")
+        elif self.embedded is not None:
             need_kind = EMBEDDED_KIND[self.embedded]
             if need_kind != self.kind:
                 raise RecipeError(f"{where}.embedded={self.embedded!r} is a {need_kind} set, not {self.kind}")
             if self.files or self.train_files or self.target_files:
                 raise RecipeError(f"{where}: embedded={self.embedded!r} and files are both set: name one")
         elif not self.files:
-            raise RecipeError(f"{where}: a {self.kind} evaluation needs files (or embedded: a built-in set)")
+            other = " or split: the run's own" if "split" in KIND_KEYS[self.kind] else ""
+            raise RecipeError(f"{where}: a {self.kind} evaluation needs files (or embedded: a built-in set{other})")
         if self.embedded is None and "train_files" in KIND_KEYS[self.kind] and not self.train_files:
             raise RecipeError(f"{where}.train_files: a {self.kind} probe needs labelled training files")
-        if self.kind == "translate" and self.embedded is None and len(self.target_files) != len(self.files):
+        if self.kind == "heldout" and self.target_files and len(self.target_files) != len(self.files):
+            raise RecipeError(
+                f"{where}.target_files: {len(self.target_files)} file(s) for {len(self.files)} source file(s); "
+                "aligned pairs need one reference file per source file"
+            )
+        if self.kind == "translate" and self.files and len(self.target_files) != len(self.files):
             raise RecipeError(
                 f"{where}.target_files: {len(self.target_files)} file(s) for {len(self.files)} source file(s); "
                 "each source file needs its aligned reference file"
