@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
-exec python3 -m pytest -q "$@"
+# Two worker processes (pytest-xdist), a test file each at a time, so that the tests of one file
+# share their module's runs: one process alone kept about one core of the two busy.
+exec python3 -m pytest -q -n 2 --dist loadfile "$@"
