@@ -472,14 +472,20 @@ def follow_up(row: Row, run_dir: Path, tmp: Path, capsys) -> None:
     capsys.readouterr()
     assert main(["evaluate", str(run_dir), "--json", "--max-batches", "1"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["objective"] == row.objective and math.isfinite(out["loss"]), out
-    assert ("bleu" in out) == (row.objective == "seq2seq" and row.generation == "on"), out
+    loss = out["eval/validation/loss"]
+    assert out["objective"] == row.objective and math.isfinite(loss), out
+    translated = "eval/validation_translation/bleu" in out
+    assert translated == (row.objective == "seq2seq" and row.generation == "on"), out
     final = json.loads((run_dir / "metrics.json").read_text())
+    for key, value in final.items():  # the recipe's own evaluations ran too, on the same final weights
+        if key.startswith("eval/") and not key.endswith("/seconds"):
+            assert key in out, key
     if row.strategy == "single" and row.precision == "32-true":  # the same weights on the same batch
-        assert out["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
+        assert loss == pytest.approx(final["val/loss"], rel=1e-5)
     if row.strategy == "fsdp" and row.averaging != "last":  # the sharded checkpoint holds the final weights too
-        assert main(["evaluate", str(run_dir / "checkpoints" / "last.ckpt"), "--json", "--max-batches", "1"]) == 0
-        assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(out["loss"], rel=1e-5)
+        last = str(run_dir / "checkpoints" / "last.ckpt")
+        assert main(["evaluate", last, "--split", "validation", "--json", "--max-batches", "1"]) == 0
+        assert json.loads(capsys.readouterr().out)["eval/validation/loss"] == pytest.approx(loss, rel=1e-5)
 
     prompt = ["generate", str(run_dir), "--prompt", "def read(self, size):", "--max-new-tokens", "4", "--greedy"]
     if row.objective in GENERATIVE:

@@ -1,8 +1,11 @@
-"""`evaluate --suite FILE / --eval NAME / --all-checkpoints / --lm-eval TASKS`: the named
-evaluations of the recipe's `eval` section (evaluation/), outside training, on a run, a
-checkpoint, a final model directory or an exported transformers directory. The numbers are
-the ones training logs for the same weights: the same evaluation code, the run's config and
-tokenizer, the run's autocast.
+"""`evaluate`: named evaluations (evaluation/suite.py) on a run, a checkpoint, a final model
+directory or an exported transformers directory, outside training. Everything `evaluate` reports
+comes through that one suite: the run's own split (`heldout` with `split`, and a translation run's
+`translate` of it), `--data` (`heldout` of the file; with `--data-target`, `translate` too), the
+recipe's own entries (`--eval`), a suite file (`--suite`), and lm-evaluation-harness tasks. The
+numbers are the ones training logs for the same weights: the same evaluation code, the run's
+config and tokenizer, the run's autocast (translate decodes in `dtype`, float32 as training does
+unless asked otherwise).
 """
 
 from __future__ import annotations
@@ -18,25 +21,50 @@ from lit_transformer.commands.loading import (
     load_for_evaluation,
     load_language_model,
     resolve_source,
+    source_model_config,
     source_objective,
 )
-from lit_transformer.commands.train import cpu_threads, data_module
 from lit_transformer.errors import RunError
+from lit_transformer.evaluation.batch_generate import BATCH_ROWS, BATCH_TOKENS, check_batching
 from lit_transformer.evaluation.callback import eval_target
 from lit_transformer.evaluation.suite import build_suite, run_suite
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.load import load_suite
 from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.training.auto_resolve import cpu_threads
 from lit_transformer.training.checkpoints import checkpoint_step
-from lit_transformer.training.rundir import CHECKPOINT_DIR
+from lit_transformer.training.rundir import CHECKPOINT_DIR, CONFIG_YAML
 
 CURVE_CSV = "eval_curve.csv"  # --all-checkpoints' output in the run directory
+DATA_ENTRY = "data"  # the entry name of --data's evaluations (eval/data/..., eval/data_translation/...)
+TRANSLATION = "_translation"  # after a heldout entry's name: the translate entry of the same pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """evaluate's decoding flags. The first three set the translate entries evaluate makes itself
+    (None: the recipe's objective.num_beams, objective.length_penalty, data.max_target_length);
+    the rest apply to every translate entry (dtype None: the weights as loaded, as in training)."""
+
+    num_beams: int | None = None
+    length_penalty: float | None = None
+    max_new_tokens: int | None = None
+    batch_size: int | None = BATCH_ROWS
+    batch_tokens: int | None = BATCH_TOKENS
+    dtype: str | None = None
+    device: str = "auto"
+    progress_bar: bool = False
 
 
 def evaluate_suite(
     target: str,
     *,
+    split: str | None = None,
+    data: str | None = None,
+    data_target: str | None = None,
+    task: str | None = None,
+    max_batches: int | None = None,
     suite: str | None = None,
     eval_names: Sequence[str] = (),
     all_checkpoints: bool = False,
@@ -44,62 +72,163 @@ def evaluate_suite(
     lm_eval_include: str | None = None,
     limit: int | None = None,
     output: str | None = None,
+    decoding: Decoding = Decoding(),
 ) -> dict[str, Any]:
-    """The evaluations of `suite` (a YAML file with an `eval:` list) and the run's own named
-    `eval_names` (none of either: all of the run's own), as `eval/<name>/<metric>`, and the
-    harness tasks `lm_eval_tasks` as `lm_eval/<task>/<metric>`. `limit` caps every evaluation's
-    examples. With `all_checkpoints`, every kept checkpoint of the run in step order: the rows
-    go to `output` (CSV; default the run's eval_curve.csv) and come back under "checkpoints"."""
-    if limit is not None and limit <= 0:
-        raise RunError(f"--limit {limit}: must be a positive number of examples")
+    """Every evaluation asked for, as `eval/<name>/<metric>`: the run's own `split` (validation
+    or test; entry `<split>`), the file `data` (entry `data`; with `data_target`, the aligned
+    reference file, also `data_translation`), the run's own named `eval_names`, the entries of
+    `suite` (a YAML file with an `eval:` list), and the harness tasks `lm_eval_tasks` as
+    `lm_eval/<task>/<metric>`. Nothing named: the run's validation split and its recipe's eval
+    section, everything training measured. `task`: a mixture's one task (its metrics under the
+    single objective's names). `max_batches` caps the split and `data` entries (N evaluation
+    batches: max_examples N x data.eval_batch_size), `limit` every evaluation's examples.
+    With `all_checkpoints`, every kept checkpoint of the run in step order: the rows go to
+    `output` (CSV; default the run's eval_curve.csv) and come back under "checkpoints"."""
+    check_batching(decoding.batch_size, decoding.batch_tokens)
+    for flag, value in (("--limit", limit), ("--max-batches", max_batches)):
+        if value is not None and value < 1:
+            raise RunError(f"evaluate: {flag} {value}: at least 1")
+    tasks = [t.strip() for t in lm_eval_tasks.split(",")] if isinstance(lm_eval_tasks, str) else lm_eval_tasks
+    tasks = [t for t in tasks or [] if t]
+    if lm_eval_tasks is not None and not tasks:
+        raise RunError(f"evaluate: --lm-eval {lm_eval_tasks!r} names no task (comma-separated names, e.g. hellaswag)")
+    if lm_eval_include is not None and not tasks:
+        raise RunError("evaluate: --lm-eval-include adds task files for --lm-eval; add --lm-eval TASKS")
+    if output is not None and not all_checkpoints:
+        raise RunError("evaluate: --output names the file --all-checkpoints writes; add --all-checkpoints")
+    if data_target is not None and data is None:
+        raise RunError(f"evaluate: --data-target {data_target} needs --data (the source file it aligns with)")
+    for flag, path in (("--data", data), ("--data-target", data_target)):
+        if path is not None and not Path(path).exists():
+            raise RunError(f"evaluate: {flag} {path}: no such file")
+    named = bool(suite or eval_names or tasks or data)
+    own = split or (None if named else "validation")
+    for flag, value in (("--task", task), ("--max-batches", max_batches)):
+        if value is not None and own is None and data is None:
+            raise RunError(f"evaluate: {flag} applies to the run's split or --data; add --split or --data")
     source = resolve_source(target)
     cfg = run_config(source, target)
-    entries = chosen_entries(cfg, suite, eval_names, target, harness=bool(lm_eval_tasks))
+    entries = chosen_entries(cfg, suite, eval_names, target, everything=not named)
+    rows = None if max_batches is None else max_batches * (cfg.data.eval_batch_size or cfg.data.batch_size)
+    made = made_entries(source, cfg, target, own, data, data_target, task, rows, decoding)
+    entries = made + entries
+    check_unique(entries)
     if limit is not None:
         entries = [dataclasses.replace(e, max_examples=min(limit, e.max_examples or limit)) for e in entries]
-    tasks = [t for t in lm_eval_tasks.split(",") if t] if isinstance(lm_eval_tasks, str) else list(lm_eval_tasks or [])
     with cpu_threads(cfg.trainer.num_threads):
         evaluations = build_suite(entries, cfg)
-        dm = data_module(cfg, None)
+        for evaluation in evaluations:
+            if evaluation.entry.kind == "translate" and decoding.dtype is not None:
+                evaluation.decode_with(
+                    batch_size=decoding.batch_size,
+                    batch_tokens=decoding.batch_tokens,
+                    dtype=decoding.dtype,
+                    device=decoding.device,
+                    progress_bar=decoding.progress_bar,
+                )
         if not all_checkpoints:
-            return {
-                "target": str(source.path),
-                **_evaluate_one(source, cfg, dm, evaluations, tasks, lm_eval_include, limit),
-            }
+            objective, metrics = _evaluate_one(source, cfg, evaluations, tasks, lm_eval_include, limit)
+            return {"target": str(source.path), "objective": objective, **metrics}
         if source.run_dir is None:
             raise RunError(f"{target}: --all-checkpoints needs a run directory (it reads <run>/{CHECKPOINT_DIR}/)")
         rows = []
         for step, path in kept_checkpoints(source.run_dir):
             one = Source("checkpoint", path, source.run_dir, source.tokenizer)
-            rows.append({"step": step, **_evaluate_one(one, cfg, dm, evaluations, tasks, lm_eval_include, limit)})
+            rows.append({"step": step, **_evaluate_one(one, cfg, evaluations, tasks, lm_eval_include, limit)[1]})
     curve = Path(output) if output is not None else source.run_dir / CURVE_CSV
     write_curve(rows, curve)
     return {"target": str(source.run_dir), "curve": str(curve), "checkpoints": rows}
 
 
-def _evaluate_one(
+def made_entries(
     source: Source,
     cfg: RunConfig,
-    dm: Any,
-    evaluations: list,
-    tasks: list[str],
-    include: str | None,
-    limit: int | None,
-) -> dict[str, float]:
-    module = load_for_evaluation(source, cfg, dm)
-    target = eval_target(module, cfg, dm.tokenizer, dm.special_tokens)
-    out = run_suite(evaluations, target, final=True)
+    target: str,
+    split: str | None,
+    data: str | None,
+    data_target: str | None,
+    task: str | None,
+    max_examples: int | None,
+    decoding: Decoding,
+) -> list[EvalConfig]:
+    """The entries evaluate makes itself: heldout of the run's `split` and of `data`, and translate
+    of the same pairs for a translation run (split) or with `data_target` (checked by the caller)."""
+    if split is not None and source.run_config is None:
+        raise RunError(
+            f"{target}: the run's own {split} split is read with the run's {CONFIG_YAML}, which is not beside "
+            "this model; name what to evaluate with --data, --suite or --lm-eval"
+        )
+    # a translation run (seq2seq with objective.bleu) is scored on its split as training scored it
+    translation = (
+        split is not None
+        and source.run_config.objective.bleu
+        and not cfg.tasks
+        and registry.spec(cfg.objective.name).prompt_for(source_model_config(source).arch) == "transform"
+    )
+    beams = dict(
+        num_beams=decoding.num_beams, length_penalty=decoding.length_penalty, max_new_tokens=decoding.max_new_tokens
+    )
+    out = []
+    common = dict(max_examples=max_examples)
+    if split is not None:
+        out.append(EvalConfig(name=split, kind="heldout", split=split, task=task, **common))
+        if translation:
+            out.append(EvalConfig(name=split + TRANSLATION, kind="translate", split=split, **common, **beams))
+    if data is not None:
+        files = dict(files=[data], target_files=[data_target] if data_target else [])
+        out.append(EvalConfig(name=DATA_ENTRY, kind="heldout", task=task, **files, **common))
+        if data_target is not None:
+            out.append(EvalConfig(name=DATA_ENTRY + TRANSLATION, kind="translate", **files, **common, **beams))
+    unused = [f"--{k.replace('_', '-')}" for k, v in beams.items() if v is not None]
+    if unused and not any(e.kind == "translate" for e in out):
+        raise RunError(
+            f"evaluate: {unused[0]} sets the translation of a translation run's split or of --data with "
+            "--data-target; nothing here is translated"
+        )
+    return out
+
+
+def _evaluate_one(
+    source: Source, cfg: RunConfig, evaluations: list, tasks: list[str], include: str | None, limit: int | None
+) -> tuple[str, dict[str, Any]]:
+    """(the objective the source holds, its metrics)."""
+    from lit_transformer.data.tokens.tokenizer import SpecialTokens, load_tokenizer
+
+    tokenizer = load_tokenizer(source.tokenizer)
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    module = load_for_evaluation(source, cfg, ModelData(tokenizer, special))
+    target = eval_target(module, cfg, tokenizer, special)
+    out: dict[str, Any] = run_suite(evaluations, target, final=True)
+    for evaluation in evaluations:  # translate's signatures (strings), dtype and speed
+        out.update({f"eval/{evaluation.entry.name}/{k}": v for k, v in getattr(evaluation, "details", {}).items()})
     if tasks:
         from lit_transformer.evaluation.harness import run_harness
 
         harness = run_harness(target, tasks, include_path=include, limit=limit)
         out.update({f"lm_eval/{key}": value for key, value in harness.items()})
-    return out
+    return module.objective_name, out
+
+
+@dataclasses.dataclass
+class ModelData:
+    """What an objective reads of its data when evaluate rebuilds it around saved weights
+    (from_final): the tokenizer, and bytes per token, which every heldout evaluation measures on
+    its own set before it reports bits per byte (measure_bytes_on). 1.0 stands in until then: a
+    module built with None would never report them."""
+
+    tokenizer: Any
+    special_tokens: Any
+    bytes_per_token: float = 1.0
+    label_names: list | None = None
+
+    def bytes_per_token_of(self, task: int, split: str = "validation") -> float:
+        return self.bytes_per_token
 
 
 def run_config(source: Source, target: str) -> RunConfig:
     """The run's config with its tokenizer; for a model directory outside a run (an exported
-    transformers model), the defaults for its architecture's objective and its tokenizer.json."""
+    transformers model), the defaults for its architecture's objective and its tokenizer.json.
+    objective.bleu is off: evaluate decodes in translate entries, not in every heldout batch."""
     if source.tokenizer is None:
         raise RunError(f"{target}: evaluate needs the model's tokenizer.json beside it (in the run or model directory)")
     cfg = source.run_config
@@ -108,30 +237,30 @@ def run_config(source: Source, target: str) -> RunConfig:
         cfg = RunConfig()
         cfg.objective.name = source_objective(source) if source.kind == "model" else registry.DEFAULT_FOR_ARCH[arch]
         cfg.model.arch = arch
-    return dataclasses.replace(cfg, tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)))
+    return dataclasses.replace(
+        cfg,
+        tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
+        objective=dataclasses.replace(cfg.objective, bleu=False),
+    )
 
 
-def chosen_entries(
-    cfg: RunConfig, suite: str | None, names: Sequence[str], target: str, *, harness: bool
-) -> list[EvalConfig]:
+def chosen_entries(cfg: RunConfig, suite: str | None, names: Sequence[str], target: str, *, everything: bool):
+    """The run's own entries named `names` (`everything`: all of them) and those of `suite`."""
     own = {e.name: e for e in cfg.eval}
     for name in names:
         if name not in own:
             listed = ", ".join(own) or "none"
             raise RunError(f"--eval {name}: {target} names no such evaluation (its eval section has: {listed})")
-    entries = [own[n] for n in names]
-    if suite is not None:
-        entries += load_suite(suite)
-    if not entries and not harness:
-        entries = list(cfg.eval)
-        if not entries:
-            raise RunError(f"{target}: its recipe has no eval section; give --suite FILE or --lm-eval TASKS")
+    entries = list(cfg.eval) if everything else [own[n] for n in names]
+    return entries + (load_suite(suite) if suite is not None else [])
+
+
+def check_unique(entries: Sequence[EvalConfig]) -> None:
     seen = set()
     for entry in entries:
         if entry.name in seen:
-            raise RunError(f"eval {entry.name}: named twice (by --eval and in --suite); rename one")
+            raise RunError(f"eval {entry.name}: named twice (by --eval, --suite, --split or --data); rename one")
         seen.add(entry.name)
-    return entries
 
 
 def kept_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

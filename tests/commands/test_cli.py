@@ -192,43 +192,53 @@ def test_tiny_recipe_trains_and_leaves_a_complete_run(name, runs):
     assert load_recipe(run_dir / "config.yaml").trainer.max_steps == 10
 
 
-EXPECTED_KEYS = {
+EXPECTED_KEYS = {  # the metrics of the entry `validation`, besides its seconds
     "tiny-mlm": {"loss", "perplexity", "accuracy"},  # a masked loss is not bits per byte of the text
     "tiny-clm": {"loss", "perplexity", "bits_per_byte"},
     "tiny-span": {"loss", "perplexity", "accuracy"},
-    "tiny-seq2seq": {  # the target's loss given the source is no bits per byte of a text
-        "loss",
-        "perplexity",
-        "accuracy",
-        "bleu",
-        "chrf",
-        "sentences",
-        "num_beams",
-        "length_penalty",
-        "bleu_signature",
-        "chrf_signature",
-        "dtype",
-        "device",
-        "sentences_per_s",
-        "tokens_per_s",
-    },
+    "tiny-seq2seq": {"loss", "perplexity", "accuracy"},  # the target's loss given the source: no bits per byte
     "tiny-classify": {"loss", "accuracy", "macro_f1"},
 }
+# a translation run's split is also decoded: entry `validation_translation`
+TRANSLATION_KEYS = {"bleu", "chrf", "sentences", "bleu_signature", "chrf_signature", "dtype", "device"}
+TRANSLATION_KEYS |= {"sentences_per_s", "tokens_per_s"}
+
+
+def entry_metrics(out: dict, name: str) -> dict:
+    """{metric: value} of one entry of evaluate's output, without its seconds."""
+    prefix = f"eval/{name}/"
+    return {k.removeprefix(prefix): v for k, v in out.items() if k.startswith(prefix) and not k.endswith("/seconds")}
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_evaluate_json_reproduces_the_final_validation(name, runs, capsys):
     run_dir = runs[name]
-    assert main(["evaluate", str(run_dir), "--json", "--max-batches", "2"]) == 0
+    assert main(["evaluate", str(run_dir), "--split", "validation", "--json", "--max-batches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == EXPECTED_KEYS[name] | {"objective"}
+    assert out["objective"] == name.removeprefix("tiny-") and out["target"] == str(run_dir)
+    ours = entry_metrics(out, "validation")
+    assert set(ours) == EXPECTED_KEYS[name]
+    translated = entry_metrics(out, "validation_translation")
+    assert set(translated) == (TRANSLATION_KEYS if name == "tiny-seq2seq" else set())
+    entries = {key.split("/")[1] for key in out if key.startswith("eval/")}
+    assert entries == {"validation", *(["validation_translation"] if translated else [])}  # no eval section
     final = json.loads((run_dir / "metrics.json").read_text())  # same model, same 2 batches
-    assert out["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
-    if "bits_per_byte" in out:
-        assert out["bits_per_byte"] == pytest.approx(final["val/bpb"], rel=1e-5)
+    assert ours["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
+    if "bits_per_byte" in ours:
+        assert ours["bits_per_byte"] == pytest.approx(final["val/bpb"], rel=1e-5)
     # the newest checkpoint holds the same final weights
     assert main(["evaluate", str(run_dir / "checkpoints" / "last.ckpt"), "--json", "--max-batches", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(out["loss"], rel=1e-5)
+    assert json.loads(capsys.readouterr().out)["eval/validation/loss"] == pytest.approx(ours["loss"], rel=1e-5)
+
+
+def test_evaluate_with_nothing_named_runs_the_split_and_the_recipes_evaluations(runs, capsys):
+    """tiny-mlm's recipe names a probe (eval: docstrings): evaluate runs it beside the split."""
+    assert main(["evaluate", str(runs["tiny-mlm"]), "--json", "--max-batches", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {key.split("/")[1] for key in out if key.startswith("eval/")} == {"validation", "docstrings"}
+    assert 0 <= out["eval/docstrings/accuracy"] <= 1
+    final = json.loads((runs["tiny-mlm"] / "metrics.json").read_text())
+    assert out["eval/docstrings/accuracy"] == pytest.approx(final["eval/docstrings/accuracy"], abs=1e-6)
 
 
 @pytest.mark.parametrize("name", ["tiny-clm", "tiny-span", "tiny-seq2seq"])
@@ -328,9 +338,10 @@ def test_finetune_from_a_tiny_pretrained_run(runs, tmp_path, capsys):
     assert (run_dir / "classifier.safetensors").is_file()
     assert load_recipe(run_dir / "config.yaml").tokenizer.path == str(runs["tiny-mlm"] / "tokenizer.json")
     capsys.readouterr()
-    assert main(["evaluate", str(run_dir), "--json", "--max-batches", "2"]) == 0
+    assert main(["evaluate", str(run_dir), "--split", "validation", "--json", "--max-batches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["loss"] == pytest.approx(json.loads((run_dir / "metrics.json").read_text())["val/loss"], rel=1e-5)
+    val_loss = json.loads((run_dir / "metrics.json").read_text())["val/loss"]
+    assert out["eval/validation/loss"] == pytest.approx(val_loss, rel=1e-5)
     # the backbone is the pretrained encoder, with the recipe's dropout applied on top
     from lit_transformer.model.interop.directories import load_pretrained
 
@@ -348,8 +359,8 @@ def test_evaluate_on_a_file_relabels_to_the_model(runs, tmp_path, capsys):
     data = tmp_path / "eval.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert main(["evaluate", str(runs["tiny-classify"]), "--data", str(data), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert 0.0 <= out["accuracy"] <= 1.0 and math.isfinite(out["loss"])
+    out = entry_metrics(json.loads(capsys.readouterr().out), "data")
+    assert out["accuracy"] in (0.0, 0.5, 1.0) and math.isfinite(out["loss"])
 
 
 def test_finetune_minilm(tmp_path, capsys):

@@ -215,13 +215,27 @@ def test_cli_plot_writes_the_image_and_errors_are_one_line(two_runs, tmp_path, c
 
 
 def fake_suite(monkeypatch, evaluate_suite) -> None:
-    """cli imports commands.suite when it dispatches: a stand-in module, so that nothing loads."""
-    monkeypatch.setitem(
-        sys.modules, "lit_transformer.commands.evaluate", types.SimpleNamespace(evaluate_suite=evaluate_suite)
-    )
+    """cli imports commands.evaluate when it dispatches: a stand-in module, so that nothing loads."""
+    fake = types.SimpleNamespace(evaluate_suite=evaluate_suite, Decoding=dict)
+    monkeypatch.setitem(sys.modules, "lit_transformer.commands.evaluate", fake)
 
 
+DECODING = dict(
+    num_beams=None,
+    length_penalty=None,
+    max_new_tokens=None,
+    batch_size=256,
+    batch_tokens=8192,
+    dtype="auto",
+    device="auto",
+    progress_bar=True,
+)
 SUITE_CALL = dict(
+    split=None,
+    data=None,
+    data_target=None,
+    task=None,
+    max_batches=None,
     suite=None,
     eval_names=(),
     all_checkpoints=False,
@@ -229,22 +243,36 @@ SUITE_CALL = dict(
     lm_eval_include=None,
     limit=None,
     output=None,
+    decoding=DECODING,
 )
 
 
 @pytest.mark.parametrize(
     "flags, expected",
     [
+        ([], {}),
         (["--suite", "s.yaml"], dict(suite="s.yaml")),
         (["--eval", "probe", "--eval", "heldout"], dict(eval_names=("probe", "heldout"))),
         (["--all-checkpoints", "--output", "c.csv"], dict(all_checkpoints=True, output="c.csv")),
         (
             ["--lm-eval", "hellaswag, arc_easy", "--lm-eval-include", "tasks/", "--limit", "5"],
-            dict(lm_eval_tasks=["hellaswag", "arc_easy"], lm_eval_include="tasks/", limit=5),
+            dict(lm_eval_tasks="hellaswag, arc_easy", lm_eval_include="tasks/", limit=5),
+        ),
+        (  # the split and --data entries go with the named ones
+            ["--split", "test", "--data", "x.txt", "--task", "clm", "--max-batches", "3", "--suite", "s.yaml"],
+            dict(split="test", data="x.txt", task="clm", max_batches=3, suite="s.yaml"),
+        ),
+        (
+            ["--data", "s.de", "--data-target", "s.en", "--num-beams", "4", "--dtype", "float32", "--batch-size", "8"],
+            dict(
+                data="s.de",
+                data_target="s.en",
+                decoding={**DECODING, "num_beams": 4, "dtype": "float32", "batch_size": 8},
+            ),
         ),
     ],
 )
-def test_evaluate_suite_flags_dispatch_to_evaluate_suite(flags, expected, monkeypatch, capsys):
+def test_evaluate_flags_dispatch_to_evaluate_suite(flags, expected, monkeypatch, capsys):
     calls = []
     fake_suite(monkeypatch, lambda target, **kw: calls.append((target, kw)) or {"eval/x/acc": 0.5})
     assert cli.main(["evaluate", "runs/r", *flags, "--json"]) == 0
@@ -255,17 +283,21 @@ def test_evaluate_suite_flags_dispatch_to_evaluate_suite(flags, expected, monkey
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--suite", "s.yaml", "--data", "x.txt"], "evaluate: --data does not go with --suite"),
-        (["--eval", "p", "--split", "test"], "evaluate: --split test does not go with --eval"),
-        (["--lm-eval", "hellaswag", "--max-batches", "3"], "evaluate: --max-batches does not go with --lm-eval"),
         (["--output", "c.csv"], "evaluate: --output names the file --all-checkpoints writes"),
         (["--lm-eval-include", "d/"], "evaluate: --lm-eval-include adds task files for --lm-eval"),
         (["--lm-eval", ","], "evaluate: --lm-eval ',' names no task"),
-        (["--suite", "s.yaml", "--limit", "0"], "evaluate: --limit 0: at least 1 example"),
+        (["--suite", "s.yaml", "--limit", "0"], "evaluate: --limit 0: at least 1"),
+        (["--max-batches", "0"], "evaluate: --max-batches 0: at least 1"),
+        (["--data-target", "ref.txt"], "evaluate: --data-target ref.txt needs --data"),
+        (["--data", "missing.txt"], "evaluate: --data missing.txt: no such file"),
+        (["--suite", "s.yaml", "--task", "clm"], "evaluate: --task applies to the run's split or --data"),
+        (["--lm-eval", "hellaswag", "--max-batches", "3"], "evaluate: --max-batches applies to the run's split"),
+        (["--batch-tokens", "0"], "--batch-tokens 0 must be at least 1"),
     ],
 )
-def test_conflicting_evaluate_flags_are_one_line_errors(flags, message, monkeypatch, capsys):
-    fake_suite(monkeypatch, lambda *a, **kw: pytest.fail("dispatched"))
+def test_evaluate_flags_that_cannot_apply_are_one_line_errors(flags, message, tmp_path, monkeypatch, capsys):
+    """Refused before the run is read: runs/r does not exist."""
+    monkeypatch.chdir(tmp_path)
     assert cli.main(["evaluate", "runs/r", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {message}") and "\n" not in err

@@ -50,7 +50,7 @@ def test_evaluate_and_resume_a_streaming_mlm_run(tmp_path, capsys):
     assert main(["evaluate", str(run_dir), "--json", "--max-batches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     final = json.loads((run_dir / "metrics.json").read_text())  # same weights, same first 2 batches
-    assert out["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
+    assert out["eval/validation/loss"] == pytest.approx(final["val/loss"], rel=1e-5)
     # a longer run resumes from the last checkpoint and the data position saved in it
     assert main(pretrain_args("tiny-mlm", run_dir, *STREAMING, "trainer.max_steps=9", "resume=auto")) == 0
     losses = train_losses(run_dir)

@@ -67,12 +67,17 @@ def test_a_named_test_split_is_evaluated_after_training_and_by_evaluate(tmp_path
 
     assert main(["evaluate", str(run), "--split", "test", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
-    assert out["bits_per_byte"] == pytest.approx(metrics["test/bpb"], rel=1e-5)
-    assert main(["evaluate", str(run), "--split", "test", "--data", str(files["val"])]) == 2
-    assert "--split test reads the run's data.test_files" in capsys.readouterr().err
+    assert out["eval/test/loss"] == pytest.approx(metrics["test/loss"], rel=1e-5)
+    assert out["eval/test/bits_per_byte"] == pytest.approx(metrics["test/bpb"], rel=1e-5)
+    # the test split beside a file: two entries, the file read as it is
+    assert main(["evaluate", str(run), "--split", "test", "--data", str(files["val"]), "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["eval/test/loss"] == out["eval/test/loss"]
+    assert both["eval/data/loss"] != pytest.approx(out["eval/test/loss"], abs=1e-6)
     assert main(["evaluate", str(run), "--json"]) == 0  # validation stays the default
-    assert json.loads(capsys.readouterr().out)["loss"] != pytest.approx(out["loss"], abs=1e-6)
+    validation = json.loads(capsys.readouterr().out)
+    assert "eval/test/loss" not in validation
+    assert validation["eval/validation/loss"] != pytest.approx(out["eval/test/loss"], abs=1e-6)
 
 
 @pytest.mark.usefixtures("private_cache")
@@ -107,5 +112,5 @@ def test_a_mixture_evaluates_every_task_on_its_test_split(tmp_path, capsys):
         assert (f"test/{task}/bpb" in metrics) == (task != "mlm")  # a masked loss is no bits per byte
     assert main(["evaluate", str(run), "--split", "test", "--task", "clm", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["loss"] == pytest.approx(metrics["test/clm/loss"], rel=1e-5)
-    assert out["bits_per_byte"] == pytest.approx(metrics["test/clm/bpb"], rel=1e-5)
+    assert out["eval/test/loss"] == pytest.approx(metrics["test/clm/loss"], rel=1e-5)
+    assert out["eval/test/bits_per_byte"] == pytest.approx(metrics["test/clm/bpb"], rel=1e-5)

@@ -119,11 +119,11 @@ def test_a_store_run_trains_and_resumes_exactly(tmp_path, private_cache, monkeyp
     # the first run wrote the store; the stopped and the resumed run reused it
     assert len(list((private_cache / "litdata").glob("*/index.json"))) == 1
     # evaluation reads the validation split from the cache: no litdata, no shards written
-    from lit_transformer.commands.inference import evaluate
+    from lit_transformer.commands.evaluate import evaluate_suite
 
     monkeypatch.setitem(sys.modules, "litdata", None)
-    metrics = evaluate(str(whole), max_batches=2, progress_bar=False)
-    assert metrics["loss"] > 0
+    metrics = evaluate_suite(str(whole), split="validation", max_batches=2)
+    assert metrics["eval/validation/loss"] > 0
 
 
 def test_without_litdata_the_error_names_the_extra(tmp_path, monkeypatch):

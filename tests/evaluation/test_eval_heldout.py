@@ -1,9 +1,11 @@
-"""Named evaluations: heldout and translate measure what `evaluate` measures on the same files,
-and run_suite leaves training as it found it (RNG streams, train mode) and honours every_n_steps."""
+"""Named evaluations: heldout reads one split (the run's own, or a file) without tokenising
+training text and computes what training logs; translate decodes and scores; run_suite leaves
+training as it found it (RNG streams, train mode) and honours every_n_steps."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -12,10 +14,11 @@ import pytest
 import torch
 from helpers import RECIPES, TINY_RUN, seeded_model, tiny_config
 
-from lit_transformer.commands.inference import evaluate
+from lit_transformer.commands.evaluate import ModelData, run_config
 from lit_transformer.commands.loading import load_for_evaluation, resolve_source
-from lit_transformer.commands.train import data_module, train
+from lit_transformer.commands.train import train
 from lit_transformer.data.sources.stdlib import corpus_split, seq2seq_examples
+from lit_transformer.data.tokens import prepare
 from lit_transformer.data.tokens.tokenizer import SpecialTokens, load_tokenizer
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation import heldout, translate
@@ -53,14 +56,12 @@ def runs(tmp_path_factory):
 
 
 def target_of(run: Path) -> tuple[EvalTarget, object]:
-    """The run's final model as an EvalTarget, and the run's config with its tokenizer."""
+    """The run's final model as an EvalTarget, and the run's config with its tokenizer (evaluate's)."""
     source = resolve_source(str(run))
-    cfg = dataclasses.replace(
-        source.run_config, tokenizer=dataclasses.replace(source.run_config.tokenizer, path=str(source.tokenizer))
-    )
-    module = load_for_evaluation(source, cfg, data_module(cfg, None))
+    cfg = run_config(source, str(run))
     tokenizer = load_tokenizer(source.tokenizer)
     special = SpecialTokens.from_tokenizer(tokenizer)
+    module = load_for_evaluation(source, cfg, ModelData(tokenizer, special))
     return EvalTarget(model=module.model, tokenizer=tokenizer, special=special, cfg=cfg, module=module), cfg
 
 
@@ -70,39 +71,87 @@ def text_file(tmp_path: Path) -> Path:
     return path
 
 
+def final_metrics(run: Path, prefix: str) -> dict[str, float]:
+    """Training's final metrics under `prefix` (val/, test/), named as heldout names them."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith(prefix):
+            *task, name = key.removeprefix(prefix).split("/")
+            out["/".join([*task, heldout.EVALUATE_NAMES.get(name, name)])] = value
+    return out
+
+
+@pytest.fixture
+def tokenised(monkeypatch) -> list[str]:
+    """The splits written to the token cache from now on (a cache hit writes nothing)."""
+    written: list[str] = []
+    write = prepare._write_split
+
+    def recording(root, key, source, *args):
+        written.append(source.split)
+        return write(root, key, source, *args)
+
+    monkeypatch.setattr(prepare, "_write_split", recording)
+    return written
+
+
 @pytest.mark.slow
-def test_heldout_equals_evaluate_on_the_same_file(runs, tmp_path):
+@pytest.mark.parametrize("name", ["tiny-clm", "tiny-unilm"])
+def test_heldout_of_the_runs_split_is_what_training_logged(name, runs, tmp_path, tokenised):
+    target, cfg = target_of(runs[name])
+    # a cache of its own: the split is tokenised again, and nothing else is
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache")))
+    two_batches = 2 * (cfg.data.eval_batch_size or cfg.data.batch_size)  # as trainer.limit_val_batches=2
+    entry = EvalConfig(name="val", kind="heldout", split="validation", max_examples=two_batches)
+    metrics = heldout.build(entry, cfg)(target)
+    # one split per pipeline: UniLM's clm and prefix_lm tasks read the same clm blocks
+    assert tokenised == ["validation"] * (2 if name == "tiny-unilm" else 1)
+    expected = final_metrics(runs[name], "val/")  # the same weights on the same 2 batches
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_heldout_of_a_file(runs, tmp_path, tokenised):
     target, cfg = target_of(runs["tiny-clm"])
     path = text_file(tmp_path)
     entry = EvalConfig(name="held", kind="heldout", files=[str(path)])
     metrics = heldout.build(entry, cfg)(target)
-    expected = evaluate(str(runs["tiny-clm"]), data=str(path), progress_bar=False)
-    assert set(metrics) == {"loss", "perplexity", "bits_per_byte"}
-    assert metrics["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-    assert metrics["bits_per_byte"] == pytest.approx(expected["bits_per_byte"], rel=1e-5)
+    assert set(metrics) == {"loss", "perplexity", "bits_per_byte"} and 0 < metrics["loss"] < 10
+    assert tokenised == ["validation"]  # the file, read as the validation split; its training side never
+    own = heldout.build(EvalConfig(name="val", kind="heldout", split="validation"), cfg)(target)
+    assert metrics["loss"] != pytest.approx(own["loss"])  # other text
     # the run's own bytes per token come back: validation after the evaluation is unchanged
-    assert target.module.bytes_per_token == pytest.approx(target_of(runs["tiny-clm"])[0].module.bytes_per_token)
+    assert target.module.bytes_per_token == 1.0  # evaluate's stand-in (ModelData)
     capped = heldout.build(dataclasses.replace(entry, max_examples=1), cfg)(target)
     assert capped["loss"] != pytest.approx(metrics["loss"])  # one batch of 3 blocks, not the file's
     with pytest.raises(RunError, match="eval.held: a heldout evaluation computes the objective's loss"):
         heldout.build(entry, cfg)(dataclasses.replace(target, module=None))
     with pytest.raises(RunError, match=r"eval.held.files: no such file or directory"):
         heldout.build(dataclasses.replace(entry, files=[str(tmp_path / "none.txt")]), cfg)
+    with pytest.raises(RunError, match=r"eval.test: the run's data has no test split \(the recipe names no"):
+        heldout.build(EvalConfig(name="test", kind="heldout", split="test"), cfg)
+    with pytest.raises(RunError, match=r"eval.val.task=clm: a clm run is one objective, not a mixture"):
+        heldout.build(EvalConfig(name="val", kind="heldout", split="validation", task="clm"), cfg)
 
 
 @pytest.mark.slow
-def test_heldout_of_a_mixture_reports_every_task(runs, tmp_path):
+def test_heldout_of_a_mixture_reports_every_task_or_one(runs, tmp_path):
     target, cfg = target_of(runs["tiny-unilm"])
-    path = text_file(tmp_path)
-    metrics = heldout.build(EvalConfig(name="held", kind="heldout", files=[str(path)]), cfg)(target)
-    expected = evaluate(str(runs["tiny-unilm"]), data=str(path), progress_bar=False)
+    entry = EvalConfig(name="held", kind="heldout", files=[str(text_file(tmp_path))])
+    metrics = heldout.build(entry, cfg)(target)
     assert {"mlm/loss", "clm/loss", "clm/bits_per_byte", "prefix_lm/loss"} <= set(metrics)
-    for key, value in metrics.items():
-        assert value == pytest.approx(expected[key], rel=1e-5), key
+    assert "mlm/bits_per_byte" not in metrics  # a masked loss is no bits per byte
+    one = heldout.build(dataclasses.replace(entry, task="clm"), cfg)(target)
+    assert one == {k.removeprefix("clm/"): v for k, v in metrics.items() if k.startswith("clm/")}
+    with pytest.raises(RunError, match=r"eval.held.task=cml: the mixture's tasks are .*did you mean"):
+        heldout.build(dataclasses.replace(entry, task="cml"), cfg)
 
 
 @pytest.mark.slow
-def test_translate_gives_evaluates_bleu(runs, tmp_path):
+def test_translate_scores_files_and_the_runs_split(runs, tmp_path):
     pairs = seq2seq_examples()["test"][:9]
     (tmp_path / "src.txt").write_text("".join(p["source"] + "\n" for p in pairs))
     (tmp_path / "ref.txt").write_text("".join(p["target"] + "\n" for p in pairs))
@@ -119,17 +168,14 @@ def test_translate_gives_evaluates_bleu(runs, tmp_path):
     dtype = next(target.model.parameters()).dtype
     metrics = evaluation(target)
     assert next(target.model.parameters()).dtype == dtype  # decoded in place, not cast
-    expected = evaluate(
-        str(runs["tiny-seq2seq"]),
-        data=str(tmp_path / "src.txt"),
-        data_target=str(tmp_path / "ref.txt"),
-        num_beams=2,
-        max_new_tokens=6,
-        dtype="float32",
-        progress_bar=False,
-    )
-    assert metrics == {"bleu": expected["bleu"], "chrf": expected["chrf"], "sentences": 9.0}
-    assert evaluation.signatures["bleu_signature"] == expected["bleu_signature"]
+    assert metrics["sentences"] == 9.0 and set(metrics) == {"bleu", "chrf", "sentences"}
+    assert evaluation.details["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert evaluation.details["dtype"] == "float32" and evaluation.details["device"] == "cpu"
+    # evaluate's flags: a float32 copy on the CPU decodes the same text, in batches of any size
+    evaluation.decode_with(batch_size=2, batch_tokens=None, dtype="float32", device="cpu", progress_bar=False)
+    assert evaluation(target) == metrics
+    own = translate.build(EvalConfig(name="val", kind="translate", split="validation", max_examples=5), cfg)
+    assert own(target)["sentences"] == 5.0
     (tmp_path / "short.txt").write_text("one line\n")
     with pytest.raises(RunError, match="has 9 lines but its target_files .*short.txt has 1"):
         translate.build(dataclasses.replace(entry, target_files=[str(tmp_path / "short.txt")]), cfg)
@@ -139,6 +185,8 @@ def test_translate_gives_evaluates_bleu(runs, tmp_path):
     mlm_cfg = dataclasses.replace(clm_cfg, objective=dataclasses.replace(clm_cfg.objective, name="mlm"))
     with pytest.raises(RunError, match="kind translate needs a model that writes text.*a mlm decoder model does not"):
         translate.build(entry, mlm_cfg)
+    with pytest.raises(RunError, match=r"eval.val.split=validation: the split of this clm run holds no sentence pairs"):
+        translate.build(EvalConfig(name="val", kind="translate", split="validation"), clm_cfg)
 
 
 # ----------------------------------------------------------------------------- run_suite

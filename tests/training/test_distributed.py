@@ -211,7 +211,8 @@ def test_ranks_see_disjoint_halves_of_the_global_batch(request, strategy, object
 
 def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, single):
     from lit_transformer import load_pretrained
-    from lit_transformer.commands.inference import evaluate, export, generate
+    from lit_transformer.commands.evaluate import evaluate_suite
+    from lit_transformer.commands.inference import export, generate
 
     run = fsdp / "resumed"
     shards = run / "checkpoints" / f"step-{STEPS}.ckpt"  # save_top_k=1 kept the newest
@@ -230,9 +231,9 @@ def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, s
     final, consolidated = load_pretrained(run), load_pretrained(exported)
     for name, value in final.state_dict().items():
         assert torch.equal(value, consolidated.state_dict()[name]), name
-    from_shards = evaluate(str(last), max_batches=1)
-    from_final = evaluate(str(run), max_batches=1)
-    assert from_shards["loss"] == pytest.approx(from_final["loss"], abs=1e-6)
+    from_shards = evaluate_suite(str(last), split="validation", max_batches=1)
+    from_final = evaluate_suite(str(run), split="validation", max_batches=1)
+    assert from_shards["eval/validation/loss"] == pytest.approx(from_final["eval/validation/loss"], abs=1e-6)
     assert generate(str(last), "def", greedy=True, max_new_tokens=4) == generate(
         str(run), "def", greedy=True, max_new_tokens=4
     )
