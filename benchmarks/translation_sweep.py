@@ -89,9 +89,9 @@ def evaluate(run_dir: Path, pair: tuple[Path, Path], env: dict, log: Path) -> di
     if proc.returncode != 0:
         return {"error": _tail(proc.stderr)}
     scores = json.loads(proc.stdout)
-    return {
-        "bleu": scores.get("bleu"),
-        "chrf": scores.get("chrf"),
+    return {  # evaluate's entry for --data with --data-target (docs/commands.md)
+        "bleu": scores.get("eval/data_translation/bleu"),
+        "chrf": scores.get("eval/data_translation/chrf"),
         "eval_wall_s": round(wall, 1),
         "eval_command": "lit-transformer " + " ".join(command),
     }
