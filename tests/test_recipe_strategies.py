@@ -265,12 +265,13 @@ def test_paper_recipe_builds_under_strategy(request, monkeypatch, name, strategy
     unit, nothing allocated (materialize, which allocates, is stubbed out)."""
     from torch.distributed.tensor import DTensor
 
-    from lit_transformer.commands.train import build_objective, resolve
+    from lit_transformer.commands.run_config import finish_config
+    from lit_transformer.commands.train import build_objective
     from lit_transformer.model.transformer import Block
     from lit_transformer.recipe.load import model_config
     from lit_transformer.training import distributed
 
-    cfg = resolve(load_recipe(RECIPES / f"{name}.yaml", [f"trainer.strategy={strategy}", "trainer.devices=8"]))
+    cfg = finish_config(load_recipe(RECIPES / f"{name}.yaml", [f"trainer.strategy={strategy}", "trainer.devices=8"]))
     data = _DataShape()
     model = model_config(cfg)
     if strategy == "ddp":
