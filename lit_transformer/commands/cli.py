@@ -23,6 +23,11 @@ def arg(*flags: str, **options) -> tuple[tuple[str, ...], dict]:
     return flags, options
 
 
+def pick(args: argparse.Namespace, *names: str) -> dict:
+    """The parsed values of `names`, as keyword arguments of the command's function."""
+    return {name: getattr(args, name) for name in names}
+
+
 @dataclass(frozen=True)
 class OneOf:
     """Arguments of which exactly one is given (`required`) or at most one."""
@@ -165,13 +170,7 @@ def print_metrics(metrics: dict, as_json: bool) -> None:
         print(json.dumps(metrics))
         return
     for key, value in metrics.items():
-        shown = (
-            f"{value:.4f}"
-            if isinstance(value, float)
-            else json.dumps(value)
-            if isinstance(value, (dict, list))
-            else value
-        )
+        shown = f"{value:.4f}" if isinstance(value, float) else value if isinstance(value, str) else json.dumps(value)
         print(f"{key:<32} {shown}")
 
 
@@ -200,24 +199,14 @@ def run_recipe(args: argparse.Namespace) -> None:
 def evaluate(args: argparse.Namespace) -> None:
     from lit_transformer.commands.evaluate import Decoding, evaluate_suite
 
-    decoding = Decoding(
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        batch_tokens=args.batch_tokens,
-        dtype=args.dtype,
-        device=args.device,
-        progress_bar=True,
-    )
-    names = ("split", "data", "data_target", "task", "max_batches", "suite", "all_checkpoints", "limit", "output")
+    flags = ("num_beams", "length_penalty", "max_new_tokens", "batch_size", "batch_tokens", "dtype", "device")
     result = evaluate_suite(
         args.target,
-        **{name: getattr(args, name) for name in names},
+        **pick(args, "split", "data", "data_target", "task", "max_batches", "suite", "all_checkpoints", "limit"),
+        **pick(args, "output", "lm_eval_include"),
         eval_names=tuple(args.eval_names),
         lm_eval_tasks=args.lm_eval,
-        lm_eval_include=args.lm_eval_include,
-        decoding=decoding,
+        decoding=Decoding(**pick(args, *flags), progress_bar=True),
     )
     print_metrics(result, args.json)
 
@@ -225,25 +214,13 @@ def evaluate(args: argparse.Namespace) -> None:
 def generate(args: argparse.Namespace) -> None:
     from lit_transformer.commands import inference
 
-    decoding = dict(
-        max_new_tokens=args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k or None,
-        top_p=args.top_p,
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
-        seed=args.seed,
-        bidirectional_prompt=args.bidirectional_prompt,
-        mode_token=args.mode_token,
-        dtype=args.dtype,
-        device=args.device,
-    )
+    decoding = pick(args, "max_new_tokens", "greedy", "temperature", "top_p", "num_beams", "length_penalty", "seed")
+    decoding |= pick(args, "bidirectional_prompt", "mode_token", "dtype", "device") | {"top_k": args.top_k or None}
     if args.input is None:
         print(inference.generate(args.target, args.prompt, continuation_only=args.continuation_only, **decoding))
         return
-    batching = dict(batch_size=args.batch_size, batch_tokens=args.batch_tokens)
-    inference.generate_file(args.target, args.input, args.output, column=args.column, **batching, **decoding)
+    batching = pick(args, "column", "batch_size", "batch_tokens")
+    inference.generate_file(args.target, args.input, args.output, **batching, **decoding)
 
 
 def info(args: argparse.Namespace) -> None:
@@ -252,7 +229,7 @@ def info(args: argparse.Namespace) -> None:
     out = info(args.target, args.overrides)
     text = format_info(out)
     if args.plan or args.peak_tflops is not None or args.mfu is not None:
-        out["plan"] = plan(args.target, args.overrides, args.peak_tflops, args.mfu or DEFAULT_MFU)
+        out["plan"] = plan(args.target, args.overrides, args.peak_tflops, DEFAULT_MFU if args.mfu is None else args.mfu)
         text += "\n\n" + format_plan(out["plan"])
     print(json.dumps(out) if args.json else text)
 
@@ -292,26 +269,16 @@ def recipes(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the table
 
 COMMANDS = (
-    Command(
-        "pretrain",
-        "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)",
-        run_recipe,
-        RECIPE,
-        epilog=RECIPE_EPILOG,
-    ),
-    Command(
-        "finetune",
-        "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)",
-        run_recipe,
-        RECIPE,
-        epilog=RECIPE_EPILOG,
-    ),
-    Command(
-        "prepare",
-        "train or load the tokenizer and tokenize the data into the cache, without training",
-        run_recipe,
-        RECIPE,
-        epilog=RECIPE_EPILOG,
+    *(
+        Command(name, help, run_recipe, RECIPE, epilog=RECIPE_EPILOG)
+        for name, help in (
+            ("pretrain", "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)"),
+            (
+                "finetune",
+                "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)",
+            ),
+            ("prepare", "train or load the tokenizer and tokenize the data into the cache, without training"),
+        )
     ),
     Command(
         "evaluate",

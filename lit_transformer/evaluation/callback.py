@@ -28,9 +28,11 @@ from lit_transformer.training.distributed import gathered_parameters
 
 def eval_target(module: Any, cfg: RunConfig, tokenizer: Any, special: Any) -> EvalTarget:
     """The target for an objective module of a run with config cfg (in training and in `evaluate`)."""
-    decoder = module.model.config.arch == "decoder"
+    # a classifier holds a backbone, not a language model: its final model wraps a copy of it
+    model = module.model if hasattr(module, "model") else module.final_model()
+    decoder = model.config.arch == "decoder"
     return EvalTarget(
-        model=module.model,
+        model=model,
         tokenizer=tokenizer,
         special=special,
         cfg=cfg,

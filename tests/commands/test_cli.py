@@ -231,14 +231,19 @@ def test_evaluate_json_reproduces_the_final_validation(name, runs, capsys):
     assert json.loads(capsys.readouterr().out)["eval/validation/loss"] == pytest.approx(ours["loss"], rel=1e-5)
 
 
-def test_evaluate_with_nothing_named_runs_the_split_and_the_recipes_evaluations(runs, capsys):
-    """tiny-mlm's recipe names a probe (eval: docstrings): evaluate runs it beside the split."""
-    assert main(["evaluate", str(runs["tiny-mlm"]), "--json", "--max-batches", "1"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert {key.split("/")[1] for key in out if key.startswith("eval/")} == {"validation", "docstrings"}
-    assert 0 <= out["eval/docstrings/accuracy"] <= 1
-    final = json.loads((runs["tiny-mlm"] / "metrics.json").read_text())
-    assert out["eval/docstrings/accuracy"] == pytest.approx(final["eval/docstrings/accuracy"], abs=1e-6)
+def test_evaluate_runs_what_is_named_and_the_split_by_default(runs, tmp_path, capsys):
+    """The runs here keep no eval section (eval=[]): nothing named is the validation split alone;
+    a suite replaces it, and --split adds it back beside the suite."""
+
+    def entries(*flags: str) -> set[str]:
+        assert main(["evaluate", str(runs["tiny-mlm"]), "--json", *flags]) == 0
+        return {key.split("/")[1] for key in json.loads(capsys.readouterr().out) if key.startswith("eval/")}
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("eval:\n  - {name: docstrings, kind: classify, embedded: docstring_package, max_examples: 40}\n")
+    assert entries("--max-batches", "1") == {"validation"}
+    assert entries("--suite", str(suite)) == {"docstrings"}
+    assert entries("--suite", str(suite), "--split", "validation", "--max-batches", "1") == {"validation", "docstrings"}
 
 
 @pytest.mark.parametrize("name", ["tiny-clm", "tiny-span", "tiny-seq2seq"])
