@@ -69,12 +69,32 @@ def test_names_are_unique(tmp_path):
     assert "eval[1] (a): the name 'a' is also eval[0]'s" in error_of(tmp_path, body)
 
 
-def test_files_are_required_unless_embedded(tmp_path):
+def test_files_are_required_unless_embedded_or_the_runs_split(tmp_path):
     message = error_of(tmp_path, "eval:\n  - {name: held, kind: heldout}\n")
-    assert message.endswith("eval[0] (held): a heldout evaluation needs files (or embedded: a built-in set)")
+    assert message.endswith(
+        "eval[0] (held): a heldout evaluation needs files (or embedded: a built-in set or split: the run's own)"
+    )
+    message = error_of(tmp_path, "eval:\n  - {name: c, kind: choice}\n")  # choice reads no split
+    assert message.endswith("eval[0] (c): a choice evaluation needs files (or embedded: a built-in set)")
     assert "missing value for name" in error_of(tmp_path, "eval:\n  - {kind: heldout, files: a.txt}\n")
     message = error_of(tmp_path, "eval:\n  - {name: h, kind: heldout, embedded: next_line}\n")
     assert message.endswith("eval[0] (h): embedded='next_line' is a choice set, not heldout")
+
+
+def test_the_runs_own_split_takes_no_files(tmp_path):
+    cfg = load_recipe(recipe(tmp_path, "eval:\n  - {name: val, kind: heldout, split: validation, task: clm}\n"))
+    assert cfg.eval[0] == EvalConfig(name="val", kind="heldout", split="validation", task="clm")
+    message = error_of(tmp_path, "eval:\n  - {name: val, kind: heldout, split: validation, files: a.txt}\n")
+    assert message.endswith("eval[0] (val): split='validation' reads the run's own data; it takes no files")
+    assert "split='train' is not one of ['validation', 'test']" in error_of(
+        tmp_path, "eval:\n  - {name: val, kind: translate, split: train}\n"
+    )
+    message = error_of(tmp_path, "eval:\n  - {name: p, kind: choice, split: test}\n")
+    assert message.endswith(
+        "eval[0] (p): split: a choice evaluation does not read split (it is for heldout, translate)"
+    )
+    message = error_of(tmp_path, "eval:\n  - {name: t, kind: translate, split: test, task: clm}\n")
+    assert message.endswith("eval[0] (t): task: a translate evaluation does not read task (it is for heldout)")
 
 
 def test_translate_needs_a_reference_file_per_source_file(tmp_path):
