@@ -22,14 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_transformer.model.layers import RMSNorm
-from lit_transformer.model.masks import IntervalMask, masked_attention
+from lit_transformer.model.masks import IntervalMask, masked_attention, masked_value
 from lit_transformer.model.positions import apply_rope
-
-
-def masked_value(dtype: torch.dtype) -> float:
-    # The most negative finite number rather than -inf: a query whose keys are all masked
-    # (a left-padding position) then gets a uniform softmax instead of NaNs.
-    return torch.finfo(dtype).min
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -28,6 +28,12 @@ CHUNK = 256
 DENSE_LIMIT = 1 << 20
 
 
+def masked_value(dtype: torch.dtype) -> float:
+    # The most negative finite number rather than -inf: a query whose keys are all masked
+    # (a left-padding position) then gets a uniform softmax instead of NaNs.
+    return torch.finfo(dtype).min
+
+
 @dataclass
 class IntervalMask:
     """Which keys each query may attend to; see the module docstring.
@@ -67,7 +73,7 @@ class IntervalMask:
 
     def dense_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole mask as an additive bias (B|1, 1, T, S); masked scores get the most
-        negative finite number, as in attention.masked_value (padding rows stay finite)."""
+        negative finite number, as in masked_value (padding rows stay finite)."""
         keep = self.keep()
         return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
 
@@ -208,3 +214,27 @@ def flex_block_mask(mask: IntervalMask, batch: int):
         return keep
 
     return create_block_mask(mask_mod, B, None, T, S, device=lo.device)
+
+
+def masks_nothing(mask: torch.Tensor | None, cache: object | None) -> bool:
+    """Whether a padding mask masks nothing (packed batches: the collators always send one), so
+    that attention can take SDPA's fused path without a bias tensor, causal blocks skipped,
+    as transformers does for all-ones masks. One device-to-host sync per call, so not while
+    decoding with a cache (where the mask lives on in the cache anyway) nor while compiling
+    (a data-dependent branch would break the graph)."""
+    if mask is None:
+        return True
+    if cache is not None or torch.compiler.is_compiling():
+        return False
+    return bool(mask.all())
+
+
+def batch_shared(*positions: torch.Tensor) -> bool:
+    """Whether every batch row holds the same positions by construction (expanded, stride 0)."""
+    return all(p.shape[0] == 1 or p.stride(0) == 0 for p in positions)
+
+
+def padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, S) bool -> additive (B, 1, 1, S)."""
+    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
+    return bias.masked_fill(~key_mask, masked_value(dtype))[:, None, None, :]

@@ -11,11 +11,19 @@ import math
 import torch
 from torch import nn
 
-from lit_transformer.model.attention import Attention, KVCache, RollingKVCache, compute_dtype, masked_value
+from lit_transformer.model.attention import Attention, KVCache, RollingKVCache, compute_dtype
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.layers import FeedForward, make_norm
 from lit_transformer.model.linear_attention import LinearAttention, LinearMask, LinearState
-from lit_transformer.model.masks import document_positions, flex_block_mask, interval_mask
+from lit_transformer.model.masks import (
+    batch_shared,
+    document_positions,
+    flex_block_mask,
+    interval_mask,
+    masked_value,
+    masks_nothing,
+    padding_bias,
+)
 from lit_transformer.model.positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
 
 
@@ -181,8 +189,8 @@ class Stack(nn.Module):
         if self.cfg.position == "rope":
             rope = tuple(t.to(x.dtype) for t in rope_cos_sin(position_ids, self.cfg.dim_per_head, self.cfg.rope_base))
         memory_bias = None
-        if memory is not None and memory_mask is not None and not _all_true(memory_mask, cache):
-            memory_bias = _padding_bias(memory_mask.bool(), dtype)  # (B, 1, 1, S)
+        if memory is not None and memory_mask is not None and not masks_nothing(memory_mask, cache):
+            memory_bias = padding_bias(memory_mask.bool(), dtype)  # (B, 1, 1, S)
         for i, block in enumerate(self.blocks):
             x = block(
                 x, bias, is_causal=is_causal, rope=rope, memory=memory, memory_bias=memory_bias, cache=cache, layer=i
@@ -242,7 +250,7 @@ class Stack(nn.Module):
                     "document_ids need model.attention_kind='softmax' (linear attention's running "
                     "sums cross document boundaries)"
                 )
-            key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
+            key_mask = None if masks_nothing(attention_mask, cache) else attention_mask.bool()
             return LinearMask(causal=self.causal, key_mask=key_mask)
         past = cache.length if cache is not None else 0
         q_index = torch.arange(past, past + T, device=device)  # (T,) the queries' key indices
@@ -252,7 +260,7 @@ class Stack(nn.Module):
             new_mask = new_mask if new_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
             key_index, key_mask, k_positions = cache.record(new_mask, q_positions)  # (S,) or None, (B, S), (B, S)
         else:
-            key_mask = None if _all_true(attention_mask, cache) else new_mask
+            key_mask = None if masks_nothing(attention_mask, cache) else new_mask
             k_positions = q_positions
         n_keys = key_index.numel() if key_index is not None else past + T
         g = 0 if self.causal else cfg.global_tokens
@@ -291,13 +299,13 @@ class Stack(nn.Module):
             _, key_mask, k_positions = cache.record(mask, q_positions)  # (B, S) each
         else:
             past = 0
-            key_mask = None if _all_true(attention_mask, cache) else attention_mask.bool()
+            key_mask = None if masks_nothing(attention_mask, cache) else attention_mask.bool()
             k_positions = q_positions
         position_bias = None
         if self.relative_bias is not None or self.cfg.position == "alibi":
             # Positions shared by the batch (stride 0, as Stack builds them): one (1, H, T, S)
             # bias instead of B copies, and B times less backward work for T5's table.
-            shared = _batch_shared(q_positions, k_positions)
+            shared = batch_shared(q_positions, k_positions)
             q_pos = q_positions[:1] if shared else q_positions  # (B|1, T)
             k_pos = k_positions[:1] if shared else k_positions  # (B|1, S)
             if self.relative_bias is not None:
@@ -308,7 +316,7 @@ class Stack(nn.Module):
             # A fixed-shape step (graph_step.py): one new token over all M slots. It may see every
             # slot written so far (a prefix included) and the unwritten ones are False in the key
             # mask, so the key mask alone is its mask.
-            bias = _padding_bias(key_mask, dtype)  # (B, 1, 1, M)
+            bias = padding_bias(key_mask, dtype)  # (B, 1, 1, M)
             return (bias if position_bias is None else bias + position_bias.to(dtype)), False, k_positions
         if key_mask is None and position_bias is None and past == 0 and prefix_lengths is None:
             return None, self.causal, k_positions  # fused path: no bias tensor at all
@@ -343,24 +351,6 @@ def _has_flex() -> bool:
     return True
 
 
-def _all_true(mask: torch.Tensor | None, cache: KVCache | None) -> bool:
-    """Whether a padding mask masks nothing (packed batches: the collators always send one), so
-    that attention can take SDPA's fused path without a bias tensor, causal blocks skipped,
-    as transformers does for all-ones masks. One device-to-host sync per call, so not while
-    decoding with a cache (where the mask lives on in the cache anyway) nor while compiling
-    (a data-dependent branch would break the graph)."""
-    if mask is None:
-        return True
-    if cache is not None or torch.compiler.is_compiling():
-        return False
-    return bool(mask.all())
-
-
-def _batch_shared(*positions: torch.Tensor) -> bool:
-    """Whether every batch row holds the same positions by construction (expanded, stride 0)."""
-    return all(p.shape[0] == 1 or p.stride(0) == 0 for p in positions)
-
-
 def _refuse_prefix(arch: str) -> None:
     """Attention modes exist for one stack that is causal by default: a decoder-only model."""
     if arch == "encoder":
@@ -372,12 +362,6 @@ def _refuse_prefix(arch: str) -> None:
             "prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
             "encoder is already bidirectional and its decoder stays causal"
         )
-
-
-def _padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, S) bool -> additive (B, 1, 1, S)."""
-    bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
-    return bias.masked_fill(~key_mask, masked_value(dtype))[:, None, None, :]
 
 
 class Transformer(nn.Module):
