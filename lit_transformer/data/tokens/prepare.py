@@ -146,7 +146,7 @@ def build(
     if "train" not in out.entries:
         raise DataError("no training split: set data.train_files (or leave it empty for the embedded corpus)")
     if data_cfg.store == "litdata":
-        from lit_transformer.data import store  # imports litdata: an optional extra, checked above
+        from lit_transformer.data.tokens import store  # imports litdata: an optional extra, checked above
 
         out.store, seconds, written = store.write_store(
             root, out.entries["train"], num_proc=data_cfg.num_proc, build=build
