@@ -84,34 +84,22 @@ def evaluate_suite(
     batches: max_examples N x data.eval_batch_size), `limit` every evaluation's examples.
     With `all_checkpoints`, every kept checkpoint of the run in step order: the rows go to
     `output` (CSV; default the run's eval_curve.csv) and come back under "checkpoints"."""
+    # every flag is checked before the run is read: one that would change nothing is an error
     check_batching(decoding.batch_size, decoding.batch_tokens)
     for flag, value in (("--limit", limit), ("--max-batches", max_batches)):
         if value is not None and value < 1:
             raise RunError(f"evaluate: {flag} {value}: at least 1")
-    tasks = [t.strip() for t in lm_eval_tasks.split(",")] if isinstance(lm_eval_tasks, str) else lm_eval_tasks
-    tasks = [t for t in tasks or [] if t]
-    if lm_eval_tasks is not None and not tasks:
-        raise RunError(f"evaluate: --lm-eval {lm_eval_tasks!r} names no task (comma-separated names, e.g. hellaswag)")
-    if lm_eval_include is not None and not tasks:
-        raise RunError("evaluate: --lm-eval-include adds task files for --lm-eval; add --lm-eval TASKS")
     if output is not None and not all_checkpoints:
         raise RunError("evaluate: --output names the file --all-checkpoints writes; add --all-checkpoints")
-    if data_target is not None and data is None:
-        raise RunError(f"evaluate: --data-target {data_target} needs --data (the source file it aligns with)")
-    for flag, path in (("--data", data), ("--data-target", data_target)):
-        if path is not None and not Path(path).exists():
-            raise RunError(f"evaluate: {flag} {path}: no such file")
+    tasks = harness_tasks(lm_eval_tasks, lm_eval_include)
     named = bool(suite or eval_names or tasks or data)
     own = split or (None if named else "validation")
-    for flag, value in (("--task", task), ("--max-batches", max_batches)):
-        if value is not None and own is None and data is None:
-            raise RunError(f"evaluate: {flag} applies to the run's split or --data; add --split or --data")
+    check_data_flags(own, data, data_target, task, max_batches)
     source = resolve_source(target)
     cfg = run_config(source, target)
     entries = chosen_entries(cfg, suite, eval_names, target, everything=not named)
-    rows = None if max_batches is None else max_batches * (cfg.data.eval_batch_size or cfg.data.batch_size)
-    made = made_entries(source, cfg, target, own, data, data_target, task, rows, decoding)
-    entries = made + entries
+    cap = None if max_batches is None else max_batches * (cfg.data.eval_batch_size or cfg.data.batch_size)
+    entries = made_entries(source, cfg, target, own, data, data_target, task, cap, decoding) + entries
     check_unique(entries)
     if limit is not None:
         entries = [dataclasses.replace(e, max_examples=min(limit, e.max_examples or limit)) for e in entries]
@@ -138,6 +126,31 @@ def evaluate_suite(
     curve = Path(output) if output is not None else source.run_dir / CURVE_CSV
     write_curve(rows, curve)
     return {"target": str(source.run_dir), "curve": str(curve), "checkpoints": rows}
+
+
+def harness_tasks(tasks: str | Sequence[str] | None, include: str | None) -> list[str]:
+    """--lm-eval's task names (comma-separated, or a list)."""
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else tasks
+    names = [t for t in names or [] if t]
+    if tasks is not None and not names:
+        raise RunError(f"evaluate: --lm-eval {tasks!r} names no task (comma-separated names, e.g. hellaswag)")
+    if include is not None and not names:
+        raise RunError("evaluate: --lm-eval-include adds task files for --lm-eval; add --lm-eval TASKS")
+    return names
+
+
+def check_data_flags(
+    split: str | None, data: str | None, data_target: str | None, task: str | None, max_batches: int | None
+) -> None:
+    """The flags of the entries evaluate makes (made_entries) name something to apply to."""
+    if data_target is not None and data is None:
+        raise RunError(f"evaluate: --data-target {data_target} needs --data (the source file it aligns with)")
+    for flag, path in (("--data", data), ("--data-target", data_target)):
+        if path is not None and not Path(path).exists():
+            raise RunError(f"evaluate: {flag} {path}: no such file")
+    for flag, value in (("--task", task), ("--max-batches", max_batches)):
+        if value is not None and split is None and data is None:
+            raise RunError(f"evaluate: {flag} applies to the run's split or --data; add --split or --data")
 
 
 def made_entries(
