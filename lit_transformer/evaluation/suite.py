@@ -1,5 +1,5 @@
 """The recipe's `eval` section as a suite: each entry built once by its kind's `build`, then run
-at every validation it is due at (and at the end of training, and by `evaluate --suite`).
+at every validation it is due at (and at the end of training, and by `evaluate`).
 
 run_suite leaves training as it found it: the RNG streams (torch CPU and CUDA, numpy, Python's
 random) and every submodule's train/eval mode are saved before each evaluation and restored
@@ -38,7 +38,7 @@ def build_suite(entries: Sequence[EvalConfig], cfg: RunConfig) -> list[Evaluatio
 
 def due(evaluation: Evaluation, step: int | None, final: bool) -> bool:
     """Whether an evaluation runs at `step`: every time without every_n_steps, else at its
-    multiples and at the end (`final`). Without a step (`evaluate --suite`), always."""
+    multiples and at the end (`final`). Without a step (`evaluate`), always."""
     every = evaluation.entry.every_n_steps
     return every is None or final or step is None or step % every == 0
 
