@@ -174,26 +174,42 @@ def print_metrics(metrics: dict, as_json: bool) -> None:
         print(f"{key:<32} {shown}")
 
 
-def run_recipe(args: argparse.Namespace) -> None:
+def loaded_recipe(args: argparse.Namespace):
+    """The recipe with its overrides; None once --print-config has printed it."""
     from lit_transformer.recipe.load import load_recipe, to_yaml
 
     cfg = load_recipe(args.recipe, args.overrides)
-    if args.print_config:
-        from lit_transformer.recipe.auto_rules import auto_keys
+    if not args.print_config:
+        return cfg
+    from lit_transformer.recipe.auto_rules import auto_keys
 
-        if auto_keys(cfg) and cfg.finetune.from_ is None:  # as the run would resolve them (it measures)
-            from lit_transformer.training.auto_resolve import resolve_auto
+    if auto_keys(cfg) and cfg.finetune.from_ is None:  # as the run would resolve them (it measures)
+        from lit_transformer.training.auto_resolve import resolve_auto
 
-            cfg = resolve_auto(cfg)
-        print(to_yaml(cfg), end="")
-        return
-    from lit_transformer.commands import train
+        cfg = resolve_auto(cfg)
+    print(to_yaml(cfg), end="")
+    return None
 
-    if args.command == "prepare":
-        train.prepare(cfg)
-        return
-    metrics = train.finetune(cfg) if args.command == "finetune" else train.train(cfg)
-    print(json.dumps({"run_dir": cfg.run.dir, **metrics}))
+
+def training(function: str) -> Callable[[argparse.Namespace], None]:
+    """A handler that runs commands.train.<function> and prints its final metrics as one JSON line."""
+
+    def handler(args: argparse.Namespace) -> None:
+        cfg = loaded_recipe(args)
+        if cfg is not None:
+            from lit_transformer.commands import train
+
+            print(json.dumps({"run_dir": cfg.run.dir, **getattr(train, function)(cfg)}))
+
+    return handler
+
+
+def prepare(args: argparse.Namespace) -> None:
+    cfg = loaded_recipe(args)
+    if cfg is not None:
+        from lit_transformer.commands.train import prepare
+
+        prepare(cfg)
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -269,16 +285,26 @@ def recipes(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the table
 
 COMMANDS = (
-    *(
-        Command(name, help, run_recipe, RECIPE, epilog=RECIPE_EPILOG)
-        for name, help in (
-            ("pretrain", "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)"),
-            (
-                "finetune",
-                "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)",
-            ),
-            ("prepare", "train or load the tokenizer and tokenize the data into the cache, without training"),
-        )
+    Command(
+        "pretrain",
+        "train a model from scratch as a recipe describes (mlm, clm, span, seq2seq, classify)",
+        training("train"),
+        RECIPE,
+        epilog=RECIPE_EPILOG,
+    ),
+    Command(
+        "finetune",
+        "fine-tune a pretrained model (finetune.from: run directory, checkpoint, HF directory or minilm)",
+        training("finetune"),
+        RECIPE,
+        epilog=RECIPE_EPILOG,
+    ),
+    Command(
+        "prepare",
+        "train or load the tokenizer and tokenize the data into the cache, without training",
+        prepare,
+        RECIPE,
+        epilog=RECIPE_EPILOG,
     ),
     Command(
         "evaluate",
