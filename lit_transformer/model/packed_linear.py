@@ -10,8 +10,9 @@ benchmarks/generation.py`, benchmarks/README.md). Eager decoding gets it without
 `packed_linears(model)` swaps each nn.Linear's forward for the packed product while the
 context is open and restores it after.
 
-The packed layout does not win on every CPU: on a 2-core Intel Xeon with AMX it lost to plain
-`F.linear` at batch 1 (benchmarks/README.md, "Decoding on CPU, per CPU kind"). So by default
+The packed layout does not win on every CPU: on a 2-core Intel Xeon with AMX, always packing
+decoded at 0.87x transformers' plain `F.linear` at batch 1 (issue #38; benchmarks/README.md,
+"Decoding on CPU, per CPU kind"). So by default
 (`when="faster"`) the choice is a measurement on the machine it runs on: the first time a model
 of a given set of weight shapes decodes `rows` rows in a process, one step's worth of products
 (every linear once, at `rows` rows) is timed packed and plain in alternation, MEASURE_ROUNDS
