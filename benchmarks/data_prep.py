@@ -38,8 +38,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from lit_transformer.data.tokens import pack  # noqa: E402
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig  # noqa: E402
+from lit_transformer.data.tokens import pack  # noqa: E402
 from lit_transformer.data.tokens.fast_encode import WordEncoder  # noqa: E402
 from lit_transformer.data.tokens.pack import fast_copy  # noqa: E402
 from lit_transformer.data.tokens.prepare import build  # noqa: E402
