@@ -4,8 +4,8 @@ comes through that one suite: the run's own split (`heldout` with `split`, and a
 `translate` of it), `--data` (`heldout` of the file; with `--data-target`, `translate` too), the
 recipe's own entries (`--eval`), a suite file (`--suite`), and lm-evaluation-harness tasks. The
 numbers are the ones training logs for the same weights: the same evaluation code, the run's
-config and tokenizer, the run's autocast (translate decodes in `dtype`, float32 as training does
-unless asked otherwise).
+config and tokenizer, the run's autocast (the translations evaluate makes of the split and `--data` decode in `dtype`;
+the recipe's and a suite's translate entries as training did).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ TRANSLATION = "_translation"  # after a heldout entry's name: the translate entr
 class Decoding:
     """evaluate's decoding flags. The first three set the translate entries evaluate makes itself
     (None: the recipe's objective.num_beams, objective.length_penalty, data.max_target_length);
-    the rest apply to every translate entry (dtype None: the weights as loaded, as in training)."""
+    the rest apply to them too (dtype None: the weights as loaded); the recipe's and a suite's
+    translate entries decode as training did, so that their numbers are training's."""
 
     num_beams: int | None = None
     length_penalty: float | None = None
@@ -99,14 +100,18 @@ def evaluate_suite(
     cfg = run_config(source, target)
     entries = chosen_entries(cfg, suite, eval_names, target, everything=not named)
     cap = None if max_batches is None else max_batches * (cfg.data.eval_batch_size or cfg.data.batch_size)
-    entries = made_entries(source, cfg, target, own, data, data_target, task, cap, decoding) + entries
+    made = made_entries(source, cfg, target, own, data, data_target, task, cap, decoding)
+    entries = made + entries
     check_unique(entries)
     if limit is not None:
         entries = [dataclasses.replace(e, max_examples=min(limit, e.max_examples or limit)) for e in entries]
     with cpu_threads(cfg.trainer.num_threads):
         evaluations = build_suite(entries, cfg)
         for evaluation in evaluations:
-            if evaluation.entry.kind == "translate" and decoding.dtype is not None:
+            # the translations evaluate makes of the split and --data decode as asked; the recipe's and a
+            # suite's translate entries decode as training did, so that their numbers are training's
+            made_here = evaluation.entry.name in {entry.name for entry in made}  # names are unique
+            if evaluation.entry.kind == "translate" and decoding.dtype is not None and made_here:
                 evaluation.decode_with(
                     batch_size=decoding.batch_size,
                     batch_tokens=decoding.batch_tokens,
