@@ -16,9 +16,9 @@ decoded at 0.87x transformers' plain `F.linear` at batch 1 (issue #38; benchmark
 (`when="faster"`) the choice is a measurement on the machine it runs on: the first time a model
 of a given set of weight shapes decodes `rows` rows in a process, one step's worth of products
 (every linear once, at `rows` rows) is timed packed and plain in alternation, MEASURE_ROUNDS
-times each after an untimed pass, and the side with the lower median wins (`packed_is_faster`).
+times each after WARMUP_PASSES untimed ones, and the side with the lower median wins (`packed_is_faster`).
 The answer is cached per (rows, threads, weight shapes and dtypes), so it costs one step's
-products a dozen times, once. `when="always"` packs without measuring.
+products 16 times, once. `when="always"` packs without measuring.
 
 The packed weights are copies (one more copy of every linear weight, the LM head included,
 while the context is open). Each call checks that the weight is still the one packed (same
@@ -42,6 +42,10 @@ from torch import nn
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEASURE_ROUNDS = 5  # alternating timed passes per side: a median of 5 outlasts one descheduled pass
+# untimed passes per side first: a process's first packed passes run slower than its later ones,
+# which after a single warm-up pass tipped close choices towards plain F.linear
+# (benchmarks/README.md, "Decoding on CPU, per CPU kind")
+WARMUP_PASSES = 3
 # (rows, torch threads, ((O, C, dtype, bias), ...) of the packed linears) -> packed was faster
 _CHOICES: dict[tuple, bool] = {}
 _MEDIANS: dict[tuple, tuple[float, float]] = {}  # the same keys -> (packed, plain) median seconds
@@ -156,7 +160,8 @@ def _measure(forwards: list[_PackedForward], rows: int) -> tuple[list[float], li
 
     times: tuple[list[float], list[float]] = ([], [])
     with torch.no_grad():
-        packed(), plain()  # untimed: oneDNN primitive creation, first touch of the packed copies
+        for _ in range(WARMUP_PASSES):  # untimed: oneDNN primitives, first touch of the packed copies
+            packed(), plain()
         for _ in range(MEASURE_ROUNDS):
             for side, run in zip(times, (packed, plain)):
                 start = time.perf_counter()
