@@ -16,22 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import islice
 
 from torch.utils.data import DataLoader
 
-from lit_transformer.data.batches.collate import (
-    ClassifyCollator,
-    CLMCollator,
-    MLMCollator,
-    Seq2SeqCollator,
-    example_generators,
-    word_start_table,
-)
+from lit_transformer.data.batches.collate import example_generators
+from lit_transformer.data.batches.collator_for import make_collator
 from lit_transformer.data.batches.prefix import DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
 from lit_transformer.data.batches.sampler import ResumableBatchSampler
-from lit_transformer.data.batches.span import SpanCorruptionCollator
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.data_plan import DataPlan
 from lit_transformer.data.modules.streaming import StreamingBlocks, estimate_bytes_per_token
@@ -42,34 +35,6 @@ from lit_transformer.data.tokens.tokenizer import SpecialTokens, check_extra_spe
 from lit_transformer.errors import DataError
 
 SPLITS = ("validation", "test")
-
-
-def make_collator(kind: str, cfg: DataConfig, tokenizer, special: SpecialTokens) -> Callable:
-    """The collator of a data kind (mlm, clm, span, seq2seq, classify), as TextDataModule's."""
-    if kind == "mlm":
-        return MLMCollator(
-            special=special,
-            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-            probability=cfg.mlm_probability,
-            mask_replace_prob=cfg.mask_replace_prob,
-            random_replace_prob=cfg.random_replace_prob,
-            word_starts=word_start_table(tokenizer) if cfg.whole_word_mask else None,
-            document_mask=cfg.document_mask,
-        )
-    if kind == "clm":
-        return CLMCollator(special=special, document_mask=cfg.document_mask)
-    if kind == "span":
-        return SpanCorruptionCollator(
-            block_size=cfg.block_size,
-            sentinel_ids=special.sentinel_ids,
-            eos_id=special.eos_id,
-            decoder_start_id=special.decoder_start_id,
-            noise_density=cfg.noise_density,
-            mean_span_length=cfg.mean_span_length,
-        )
-    if kind == "seq2seq":
-        return Seq2SeqCollator(special=special)
-    return ClassifyCollator(special=special, task=cfg.task)
 
 
 class SplitReader:

@@ -30,15 +30,10 @@ from torch.utils.data import DataLoader
 from lit_transformer.data.batches.batch_warmup import WarmupBatchSampler
 from lit_transformer.data.batches.block_warmup import cut_rows, warmup_row_length
 from lit_transformer.data.batches.collate import (
-    ClassifyCollator,
-    CLMCollator,
-    MLMCollator,
-    Seq2SeqCollator,
     example_generators,
-    word_start_table,
 )
+from lit_transformer.data.batches.collator_for import make_collator
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, TokenBatchSampler
-from lit_transformer.data.batches.span import SpanCorruptionCollator
 from lit_transformer.data.data_config import (
     BLOCK_WARMUP_OBJECTIVES,
     LM_OBJECTIVES,
@@ -323,31 +318,7 @@ class TextDataModule(RankedDataModule):
         return self._prepared
 
     def _make_collator(self) -> Callable:
-        sp, cfg, tok = self._prepared.special, self.data, self._prepared.tokenizer
-        if self.objective == "mlm":
-            return MLMCollator(
-                special=sp,
-                vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                probability=cfg.mlm_probability,
-                mask_replace_prob=cfg.mask_replace_prob,
-                random_replace_prob=cfg.random_replace_prob,
-                word_starts=word_start_table(tok) if cfg.whole_word_mask else None,
-                document_mask=cfg.document_mask,
-            )
-        if self.objective == "clm":
-            return CLMCollator(special=sp, document_mask=cfg.document_mask)
-        if self.objective == "span":
-            return SpanCorruptionCollator(
-                block_size=cfg.block_size,
-                sentinel_ids=sp.sentinel_ids,
-                eos_id=sp.eos_id,
-                decoder_start_id=sp.decoder_start_id,
-                noise_density=cfg.noise_density,
-                mean_span_length=cfg.mean_span_length,
-            )
-        if self.objective == "seq2seq":
-            return Seq2SeqCollator(special=sp)
-        return ClassifyCollator(special=sp, task=cfg.task)
+        return make_collator(self.objective, self.data, self._prepared.tokenizer, self._prepared.special)
 
     def _begin_train_epoch(self) -> None:
         epoch = self.trainer.current_epoch if self.trainer is not None else self._next_epoch
