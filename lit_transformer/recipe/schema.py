@@ -376,7 +376,7 @@ class RunConfig:
     # a mixture of objectives on one set of weights (recipe/tasks.py); empty: the one objective.name
     tasks: list[TaskConfig] = field(default_factory=list)
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
-    # named evaluations run at validation and by `evaluate --suite` (recipe/eval_schema.py); empty: none
+    # named evaluations run at validation and by `evaluate` (recipe/eval_schema.py); empty: none
     eval: list[EvalConfig] = field(default_factory=list)
     resume: str | None = None  # null | auto | path to a Lightning checkpoint
 
