@@ -41,7 +41,8 @@ from lit_transformer.model.accounting import train_flops  # noqa: E402
 from lit_transformer.objectives import CausalLM  # noqa: E402
 from lit_transformer.objectives.causal_lm import causal_terms  # noqa: E402
 from lit_transformer.objectives.optim import build_optimizer, make_scheduler, parameter_groups  # noqa: E402
-from lit_transformer.recipe.load import load_recipe, model_config  # noqa: E402
+from lit_transformer.recipe.load import load_recipe  # noqa: E402
+from lit_transformer.recipe.model_section import model_config  # noqa: E402
 from lit_transformer.training.callbacks import keep_freed_memory  # noqa: E402
 from lit_transformer.training.rundir import read_metrics  # noqa: E402
 

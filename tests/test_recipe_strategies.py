@@ -268,7 +268,7 @@ def test_paper_recipe_builds_under_strategy(request, monkeypatch, name, strategy
     from lit_transformer.commands.run_config import finish_config
     from lit_transformer.commands.train import build_objective
     from lit_transformer.model.transformer import Block
-    from lit_transformer.recipe.load import model_config
+    from lit_transformer.recipe.model_section import model_config
     from lit_transformer.training import distributed
 
     cfg = finish_config(load_recipe(RECIPES / f"{name}.yaml", [f"trainer.strategy={strategy}", "trainer.devices=8"]))

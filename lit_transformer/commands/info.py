@@ -26,7 +26,8 @@ from lit_transformer.model.accounting import (
 from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
 from lit_transformer.recipe.auto_rules import auto_keys
 from lit_transformer.recipe.catalog import resolve_recipe, shipped_recipes
-from lit_transformer.recipe.load import load_recipe, model_config, model_overrides
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.recipe.model_section import model_config, model_overrides
 
 BF16_BYTES = 2
 
@@ -189,7 +190,7 @@ def plan(
         raise RecipeError(f"{target}: --plan needs a recipe (a preset has no trainer or data section)")
     # preflight and pack import torch: only a plan pays for it, so that plain `info` stays light
     from lit_transformer.data.tokens.pack import token_dtype
-    from lit_transformer.recipe.load import longest_input
+    from lit_transformer.recipe.model_section import longest_input
     from lit_transformer.training import preflight
 
     recipe = resolved_recipe(path, tuple(overrides))

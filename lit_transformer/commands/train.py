@@ -32,7 +32,8 @@ from lit_transformer.evaluation.prompts import complete, encode_prompt, show_pro
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.load import check_fits, longest_input, model_config, model_overrides, save_config
+from lit_transformer.recipe.load import save_config
+from lit_transformer.recipe.model_section import check_fits, longest_input, model_config, model_overrides
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.recipe.tasks import data_plan, task_data
 from lit_transformer.training import preflight

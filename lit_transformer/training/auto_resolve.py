@@ -24,7 +24,8 @@ from pathlib import Path
 from lit_transformer.errors import RecipeError
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.recipe import auto_rules as auto
-from lit_transformer.recipe.load import build_model_config, complete_model, load_recipe
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.recipe.model_section import build_model_config, complete_model
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training import preflight
 from lit_transformer.training.distributed import is_main_process

@@ -126,7 +126,7 @@ def estimate(t: TrainerConfig, data: DataConfig, model: TransformerConfig, token
     from Korthikanti et al. 2022 (table 2): 34 * T * d_model bytes per layer and sequence in 16-bit,
     its MLP share (19 of 34, for d_ff = 4 d_model) scaled by d_ff, doubled in float32; plus one
     chunk of the loss's float32 logits. `tokens`: the longest sequence a batch holds (the recipe's
-    configured maximum, `recipe.load.longest_input`)."""
+    configured maximum, `recipe.model_section.longest_input`)."""
     from lit_transformer.model.accounting import count_parameters
 
     params = count_parameters(model)

@@ -133,7 +133,7 @@ def test_info_on_presets_and_recipes(capsys):
 
 def test_info_plans_a_run_on_nodes_and_devices(capsys):
     from lit_transformer.model.accounting import count_parameters, train_flops
-    from lit_transformer.recipe.load import model_config
+    from lit_transformer.recipe.model_section import model_config
 
     recipe = str(RECIPES / "tiny-clm.yaml")
     assert main(["info", recipe, "--plan", "--json"]) == 0

@@ -86,7 +86,7 @@ def test_auto_values_resolve_deterministically_from_the_corpus_and_the_step_spee
 
 
 def load_model(cfg):
-    from lit_transformer.recipe.load import model_config
+    from lit_transformer.recipe.model_section import model_config
 
     return model_config(cfg)
 

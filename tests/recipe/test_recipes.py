@@ -17,10 +17,10 @@ from lit_transformer.recipe.load import (
     RecipeError,
     RunConfig,
     load_recipe,
-    model_config,
     save_config,
     to_dict,
 )
+from lit_transformer.recipe.model_section import model_config
 from lit_transformer.training.auto_resolve import resolve_auto
 
 ALL = sorted(RECIPES.glob("*.yaml"))

@@ -12,7 +12,8 @@ from helpers import RECIPES
 
 from lit_transformer.commands.cli import main
 from lit_transformer.errors import RecipeError
-from lit_transformer.recipe.load import load_recipe, longest_input, model_config
+from lit_transformer.recipe.load import load_recipe
+from lit_transformer.recipe.model_section import longest_input, model_config
 from lit_transformer.training import preflight
 
 GiB = 1 << 30
