@@ -181,13 +181,9 @@ def loaded_recipe(args: argparse.Namespace):
     cfg = load_recipe(args.recipe, args.overrides)
     if not args.print_config:
         return cfg
-    from lit_transformer.recipe.auto_rules import auto_keys
+    from lit_transformer.commands.run_config import finish_config
 
-    if auto_keys(cfg) and cfg.finetune.from_ is None:  # as the run would resolve them (it measures)
-        from lit_transformer.training.auto_resolve import resolve_auto
-
-        cfg = resolve_auto(cfg)
-    print(to_yaml(cfg), end="")
+    print(to_yaml(finish_config(cfg, read_source=False)), end="")  # `auto` values as the run resolves them
     return None
 
 

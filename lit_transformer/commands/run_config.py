@@ -8,7 +8,7 @@
      decoder reads text (bidirectionally when the source is a mixture that trained that mode);
      the model itself comes with the source's weights (loading.load_backbone)
 
-`pretrain`, `finetune`, `prepare` and `--print-config` all call `finish_config`. The imports are
+`pretrain`, `finetune`, `prepare` and `--print-config` (steps 1 and 2) all call `finish_config`. The imports are
 inside the steps: `--print-config` of a recipe without `auto` values loads no torch.
 """
 
@@ -22,14 +22,17 @@ from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.recipe.tasks import trains_bidirectional_mode
 
 
-def finish_config(cfg: RunConfig) -> RunConfig:
-    """`cfg` (from load_recipe) with what it leaves to the start of the run filled in."""
+def finish_config(cfg: RunConfig, *, read_source: bool = True) -> RunConfig:
+    """`cfg` (from load_recipe) with what it leaves to the start of the run filled in.
+    read_source=False (`--print-config`) leaves step 3 to the run: its source may not exist yet."""
     if cfg.finetune.from_ is None:
         if not auto_keys(cfg):
             return cfg
         from lit_transformer.training.auto_resolve import resolve_auto  # measures: torch
 
         return resolve_auto(cfg)
+    if not read_source:
+        return cfg
     from lit_transformer.commands.loading import resolve_source
 
     source = resolve_source(cfg.finetune.from_)
