@@ -38,7 +38,7 @@ from lit_transformer.data.batches.collate import ClassifyCollator
 from lit_transformer.data.data_config import DataConfig
 from lit_transformer.data.sources.corpus import SplitSource, build_sources
 from lit_transformer.data.sources.files import ReadStats
-from lit_transformer.data.tokens import pack
+from lit_transformer.data.tokens import examples
 from lit_transformer.errors import DataError
 from lit_transformer.evaluation.choice import ModeToken
 from lit_transformer.evaluation.eval_target import EvalTarget
@@ -80,7 +80,7 @@ def build(entry: EvalConfig, cfg: RunConfig) -> ClassifyProbe:
         dev = _read(sources["validation"], entry.max_examples)
         train_key = f"{where}.train_files" if entry.embedded is None else f"{where}.embedded"
         dev_key = f"{where}.files" if entry.embedded is None else f"{where}.embedded"
-        names = pack.label_names_for(
+        names = examples.label_names_for(
             "single_label", [r[2] for r in train], f"{train_key} ({sources['train'].describe})"
         )
         if len(names) < 2:
@@ -91,7 +91,7 @@ def build(entry: EvalConfig, cfg: RunConfig) -> ClassifyProbe:
         pairs = data.text_pair_column is not None
 
         def rows(items: list[tuple], key: str, source: SplitSource) -> Rows:
-            labels = pack.encode_labels("single_label", [r[2] for r in items], names, f"{key} ({source.describe})")
+            labels = examples.encode_labels("single_label", [r[2] for r in items], names, f"{key} ({source.describe})")
             return Rows([r[0] for r in items], [r[1] for r in items] if pairs else None, torch.from_numpy(labels))
 
         return ClassifyProbe(
@@ -226,7 +226,7 @@ class ClassifyProbe:
         if self._encoded is None or self._encoded[0] is not target.tokenizer or self._encoded[1] != length:
 
             def encode(rows: Rows) -> list[dict]:
-                ids, types = pack.segment_ids(target.tokenizer, target.special, rows.texts, rows.pairs, length)
+                ids, types = examples.segment_ids(target.tokenizer, target.special, rows.texts, rows.pairs, length)
                 return [
                     {"ids": lead + i, "type_ids": [0] * len(lead) + t, "label": y}
                     for i, t, y in zip(ids, types, rows.labels.tolist())

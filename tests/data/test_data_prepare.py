@@ -10,7 +10,7 @@ import pytest
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.sources.corpus import build_sources
 from lit_transformer.data.sources.files import ReadStats
-from lit_transformer.data.tokens import pack
+from lit_transformer.data.tokens import examples, pack
 from lit_transformer.data.tokens.prepare import build, prepare
 
 prep = importlib.import_module("lit_transformer.data.tokens.prepare")  # the package exports a function of that name
@@ -208,7 +208,7 @@ def test_classification_labels_json_and_pairs_use_post_processor(tmp_path):
     assert json.loads((tmp_path / "run" / "labels.json").read_text()) == {"task": "single_label", "labels": [0, 1, 2]}
     assert out["label_names"] == [0, 1, 2]
     p = build(cfg, TokenizerConfig(kind="wordpiece", vocab_size=200, num_sentinels=0, min_frequency=1), "classify")
-    ex = pack.RaggedExamples(p.entries["train"])[4]
+    ex = examples.RaggedExamples(p.entries["train"])[4]
     toks = [p.tokenizer.id_to_token(i) for i in ex["ids"]]
     assert toks[0] == "[CLS]" and toks.count("[SEP]") == 2 and ex["type_ids"][-1] == 1 and int(ex["label"]) == 1
     assert len(ex["ids"]) <= 12
@@ -229,7 +229,7 @@ def test_multi_label_and_regression(tmp_path):
     )
     p = build(cfg, tok, "classify")
     assert p.label_names == ["a", "b", "c"]
-    assert pack.RaggedExamples(p.entries["train"])[1]["label"].tolist() == [0.0, 1.0, 1.0]
+    assert examples.RaggedExamples(p.entries["train"])[1]["label"].tolist() == [0.0, 1.0, 1.0]
     cfg = DataConfig(
         train_files=[str(path)],
         label_column="score",
@@ -238,7 +238,7 @@ def test_multi_label_and_regression(tmp_path):
         cache_dir=str(tmp_path / "cache"),
     )
     p = build(cfg, tok, "classify")
-    assert float(pack.RaggedExamples(p.entries["train"])[7]["label"]) == pytest.approx(0.7)
+    assert float(examples.RaggedExamples(p.entries["train"])[7]["label"]) == pytest.approx(0.7)
 
 
 def test_aligned_seq2seq_files(tmp_path):
@@ -254,7 +254,7 @@ def test_aligned_seq2seq_files(tmp_path):
     p = build(cfg, TokenizerConfig(kind="unigram", vocab_size=120, num_sentinels=0), "seq2seq")
     n = len(p.entries["train"]["source_offsets"]) - 1 + len(p.entries["validation"]["source_offsets"]) - 1
     assert n == 50
-    src, tgt = pack.RaggedExamples(p.entries["train"])[0]
+    src, tgt = examples.RaggedExamples(p.entries["train"])[0]
     assert src[-1] == p.special.eos_id and tgt[-1] == p.special.eos_id and len(src) <= 4
     assert p.tokenizer.decode(tgt.tolist()).startswith("hallo")
 

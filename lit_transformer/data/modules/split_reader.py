@@ -29,7 +29,8 @@ from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.data_plan import DataPlan
 from lit_transformer.data.modules.streaming import StreamingBlocks, estimate_bytes_per_token
 from lit_transformer.data.sources.corpus import build_sources
-from lit_transformer.data.tokens.pack import LMBlocks, RaggedExamples
+from lit_transformer.data.tokens.examples import RaggedExamples
+from lit_transformer.data.tokens.pack import LMBlocks
 from lit_transformer.data.tokens.prepare import Prepared, block_params, resolve_tokenizer, split_entry
 from lit_transformer.data.tokens.tokenizer import SpecialTokens, check_extra_special_tokens, check_tokenizer
 from lit_transformer.errors import DataError

@@ -43,7 +43,8 @@ from lit_transformer.data.data_config import (
 )
 from lit_transformer.data.modules.streaming import STATE_KEY, StreamingBlocks, estimate_bytes_per_token
 from lit_transformer.data.tokens.cache import cache_lock, cache_root
-from lit_transformer.data.tokens.pack import LMBlocks, RaggedExamples
+from lit_transformer.data.tokens.examples import RaggedExamples
+from lit_transformer.data.tokens.pack import LMBlocks
 from lit_transformer.data.tokens.prepare import Prepared, block_params, build, write_run_files
 from lit_transformer.errors import DataError
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_transformer.errors import DataError
+
 CACHE_VERSION = 1  # bump when the layout or the tokenization rules change
 
 
@@ -142,3 +144,11 @@ def open_cache(root: Path, key: str) -> CacheEntry | None:
     if meta.get("version") != CACHE_VERSION:
         return None
     return CacheEntry(path, meta)
+
+
+def reopen_entry(path: str) -> CacheEntry:
+    """The entry at `path` opened again (a dataset unpickled in a DataLoader worker)."""
+    entry = open_cache(Path(path).parent, Path(path).name)
+    if entry is None:
+        raise DataError(f"token cache {path} disappeared while in use")
+    return entry

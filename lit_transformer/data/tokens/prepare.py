@@ -23,7 +23,7 @@ from lit_transformer.data.batches.span_sizes import span_lengths
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig, check_objective
 from lit_transformer.data.sources.corpus import SplitSource, build_sources, fingerprint_config, objective_kind
 from lit_transformer.data.sources.files import ReadStats
-from lit_transformer.data.tokens import pack
+from lit_transformer.data.tokens import examples, pack
 from lit_transformer.data.tokens.cache import CacheEntry, CacheWriter, cache_key, cache_root, open_cache
 from lit_transformer.data.tokens.tokenizer import (
     BYTE_LEVEL_PATTERN,
@@ -229,27 +229,29 @@ def _write_split(root, key, source: SplitSource, kind, objective, cfg: DataConfi
             pairs = [it[1] for it in items] if cfg.text_pair_column else None
             raw = [it[2] for it in items]
             if label_names is None:
-                label_names = pack.label_names_for(cfg.task, raw, source.describe)
-            labels = pack.encode_labels(cfg.task, raw, label_names, f"{source.split} split of {source.describe}")
-            ids, types = pack.segment_ids(tokenizer, special, texts, pairs, cfg.max_length)
-            pack.write_ragged(writer, "ids", ids, pack.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True)))
-            pack.write_ragged(writer, "type_ids", types, np.uint8)
+                label_names = examples.label_names_for(cfg.task, raw, source.describe)
+            labels = examples.encode_labels(cfg.task, raw, label_names, f"{source.split} split of {source.describe}")
+            ids, types = examples.segment_ids(tokenizer, special, texts, pairs, cfg.max_length)
+            examples.write_ragged(
+                writer, "ids", ids, pack.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+            )
+            examples.write_ragged(writer, "type_ids", types, np.uint8)
             writer.array("labels", labels.dtype, labels.shape[1:]).append(labels)
             meta.update(label_names=label_names, task=cfg.task, tokens=int(sum(map(len, ids))))
         else:
             end = special.eos_id if special.eos_id is not None else special.sep_id
             encoder = pack.fast_copy(tokenizer)
             src = [
-                pack.truncate_with_end(e.ids, cfg.max_length, end)
+                examples.truncate_with_end(e.ids, cfg.max_length, end)
                 for e in encoder.encode_batch_fast([it[0] for it in items], add_special_tokens=False)
             ]
             tgt = [
-                pack.truncate_with_end(e.ids, cfg.max_target_length, end)
+                examples.truncate_with_end(e.ids, cfg.max_target_length, end)
                 for e in encoder.encode_batch_fast([it[1] for it in items], add_special_tokens=False)
             ]
             dtype = pack.token_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
-            pack.write_ragged(writer, "source", src, dtype)
-            pack.write_ragged(writer, "target", tgt, dtype)
+            examples.write_ragged(writer, "source", src, dtype)
+            examples.write_ragged(writer, "target", tgt, dtype)
             meta.update(tokens=int(sum(map(len, src)) + sum(map(len, tgt))))
         return writer.commit(meta)
 

@@ -38,8 +38,8 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.utilities.env import _DistributedEnv
 
 from lit_transformer.data.batches.collate import example_generators
-from lit_transformer.data.tokens.cache import CacheEntry, cache_key
-from lit_transformer.data.tokens.pack import START_METHOD, LMBlocks, _reopen
+from lit_transformer.data.tokens.cache import CacheEntry, cache_key, reopen_entry
+from lit_transformer.data.tokens.pack import START_METHOD, LMBlocks
 from lit_transformer.errors import DataError
 
 STORE_VERSION = 1  # bump when the item layout changes
@@ -56,7 +56,7 @@ def store_path(root: Path, entry: CacheEntry, chunk_bytes: int = CHUNK_BYTES) ->
 
 def _emit(cache_path: str, span: tuple[int, int]):
     """Blocks [start, stop) of the cache entry at `cache_path` as store items (in a writer process)."""
-    blocks = LMBlocks(_reopen(cache_path))
+    blocks = LMBlocks(reopen_entry(cache_path))
     for i in range(*span):
         yield {
             "index": i,
