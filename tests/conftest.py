@@ -20,6 +20,10 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # Every offline W&B run lists the installed packages (its requirements file) by reading each
+    # one's metadata: about half a second per run start here, and the suite starts runs by the
+    # hundred. Nothing in the suite reads that list; a user's runs keep it (W&B's default).
+    os.environ.setdefault("WANDB__SAVE_REQUIREMENTS", "false")
 
 
 def pytest_collection_modifyitems(config, items):

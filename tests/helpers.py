@@ -200,6 +200,41 @@ def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout
         LIT_TRANSFORMER_CACHE=str(cache),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+# examples per entry of an eval section in the end-to-end runs: the classify probe's 8 packages
+# need 48 rows to have every dev label among the training rows; its features at a test's batch
+# size of 4 were about a quarter of an option_pairs run otherwise (profiled: the whole embedded
+# set at every validation)
+EVAL_EXAMPLES = {"classify": 48, "heldout": 8, "choice": 8, "pairs": 8, "translate": 8}
+
+
+def capped_recipe(recipe: Path, folder: Path) -> Path:
+    """`recipe` with each eval entry capped to EVAL_EXAMPLES (a recipe in `folder` that extends it
+    and restates its eval section: an override cannot reach into the list); `recipe` itself
+    where it has no eval section. Kinds, mode tokens and options stay the recipe's."""
+    import dataclasses
+
+    import yaml
+
+    from lit_transformer.recipe.eval_schema import EvalConfig
+    from lit_transformer.recipe.load import load_recipe, to_dict
+
+    cfg = load_recipe(recipe)
+    if not cfg.eval:
+        return recipe
+    defaults = {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(EvalConfig)
+    }
+    entries = [
+        {**{k: v for k, v in entry.items() if v != defaults[k]}, "max_examples": EVAL_EXAMPLES[entry["kind"]]}
+        for entry in to_dict(cfg)["eval"]
+    ]
+    path = folder / recipe.name
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"extends": str(recipe), "eval": entries}, sort_keys=False))
+    return path
+
+
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         HF_HUB_OFFLINE="1",

@@ -3,7 +3,8 @@
 Each row of ROWS below is one run: a few steps of a tiny configuration, stopped, resumed with
 `resume=auto` to a later step, then the commands that apply to what it left (`evaluate
 --json`, `generate`, `export`, and `finetune` from an mlm and a clm run of each strategy).
-Every row keeps its tiny recipe's named evaluations (the eval section). Every row's output is
+Every row keeps its tiny recipe's named evaluations (the eval section, each entry capped to a
+few examples: helpers.capped_recipe). Every row's output is
 checked, not only its exit code: training losses finite, starting at ln(vocabulary) and falling,
 validation metrics present, each evaluation at step 0 and at both validations, the resumed run
 continuing at the checkpoint's step, the files later commands read, exported weights computing
@@ -53,7 +54,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, keyword_task, optional, run_two_ranks
+from helpers import RECIPES, TINY_RUN, capped_recipe, keyword_task, optional, run_two_ranks
 
 from lit_transformer.commands.cli import main
 from lit_transformer.recipe.load import load_recipe
@@ -333,7 +334,7 @@ def overrides(row: Row) -> list[str]:
 def pretrain_args(row: Row, run_dir: Path, *extra: str) -> list[str]:
     return [
         "pretrain",
-        str(RECIPES / f"tiny-{row.objective}.yaml"),
+        str(capped_recipe(RECIPES / f"tiny-{row.objective}.yaml", run_dir.parent)),
         *SMALL,
         *overrides(row),
         f"run.dir={run_dir}",

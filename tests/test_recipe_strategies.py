@@ -17,7 +17,6 @@ every test passed, because the distributed tests ran their own trimmed configura
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -25,13 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from helpers import RECIPES, run_two_ranks
+from helpers import EVAL_EXAMPLES, RECIPES, capped_recipe, run_two_ranks
 
 from lit_transformer.data.tokens.tokenizer import SpecialTokens
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.eval_schema import EvalConfig
-from lit_transformer.recipe.load import load_recipe, to_dict
+from lit_transformer.recipe.load import load_recipe
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training.rundir import read_metrics
 
@@ -51,9 +48,6 @@ CPU_RECIPES = tuple(name for name in ALL if name not in PAPER_SCALE)
 STRATEGIES = ("ddp", "fsdp")
 # named evaluations on the initial weights (step 0) and at the validation on the final weights
 STEPS = 2
-# examples per entry of an eval section; the classify probe's 8 packages need 48 rows to have
-# every dev label among the training rows
-EVAL_EXAMPLES = {"classify": 48, "heldout": 8, "choice": 8, "translate": 8}
 # tiny-classify-from-pretrained fine-tunes a tiny-mlm run: the matrix's own, of the same strategy
 FROM_RUN = {"tiny-classify-from-pretrained": "tiny-mlm"}
 
@@ -103,25 +97,6 @@ def shrink(name: str) -> list[str]:
     return out
 
 
-def capped_recipe(name: str, folder: Path) -> Path:
-    """The shipped recipe with each eval entry capped to a few examples (a recipe that
-    extends it and restates its eval section; an override cannot reach into the list)."""
-    cfg = shipped(name)
-    if not cfg.eval:
-        return RECIPES / f"{name}.yaml"
-    defaults = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(EvalConfig)
-    }
-    entries = [
-        {**{k: v for k, v in entry.items() if v != defaults[k]}, "max_examples": EVAL_EXAMPLES[entry["kind"]]}
-        for entry in to_dict(cfg)["eval"]
-    ]
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"extends": str(RECIPES / f"{name}.yaml"), "eval": entries}, sort_keys=False))
-    return path
-
-
 def commands(strategy: str, out: Path) -> list[list[str]]:
     """The command line of each CPU recipe under `strategy`, in CPU_RECIPES order (a run that
     another fine-tunes comes before it)."""
@@ -129,7 +104,7 @@ def commands(strategy: str, out: Path) -> list[list[str]]:
     out_args = []
     for name in order:
         command = "finetune" if shipped(name).objective.name == "classify" else "pretrain"
-        args = [command, str(capped_recipe(name, out)), *shrink(name), f"run.dir={out / name}"]
+        args = [command, str(capped_recipe(RECIPES / f"{name}.yaml", out)), *shrink(name), f"run.dir={out / name}"]
         args += [f"trainer.strategy={strategy}", "trainer.devices=2", "trainer.accelerator=cpu"]
         if name in FROM_RUN:
             args.append(f"finetune.from={out / FROM_RUN[name]}")

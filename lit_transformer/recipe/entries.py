@@ -54,7 +54,8 @@ def build_entry(
     `checks` that cls's own checks raise are put behind `where` too, with their own name of the
     entry (`named`, e.g. `eval.held`) taken off the front."""
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), entry))
+        # unsafe_merge: the structured config is built here for this entry alone (merge would copy it)
+        return OmegaConf.to_object(OmegaConf.unsafe_merge(OmegaConf.structured(cls), entry))
     except checks as error:
         message = first_line(error)
         if named:

@@ -13,6 +13,7 @@ the preset), so a new core field is a new recipe key without touching this file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -408,7 +409,7 @@ def field_type(path: list[str]) -> Any:
     for part in path:
         if not dataclasses.is_dataclass(cls):
             return None
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         if part not in hints:
             return None
         cls = hints[part]
@@ -422,11 +423,18 @@ def is_list_type(hint: Any) -> bool:
     return any(typing.get_origin(arg) is list for arg in typing.get_args(hint))
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints, once per class: the annotations are strings (`from __future__ import
+    annotations`), so each call compiles every one again, and reading a recipe asks thousands of times."""
+    return typing.get_type_hints(cls)
+
+
 def all_keys(cls: Any = RunConfig, prefix: str = "") -> list[str]:
     """Every leaf key of the schema as a public dotted path (`trainer.max_steps`, `finetune.from`)."""
     keys = []
     for f in dataclasses.fields(cls):
-        hint = typing.get_type_hints(cls)[f.name]
+        hint = _type_hints(cls)[f.name]
         path = f"{prefix}{to_public(f.name)}"
         keys.extend(all_keys(hint, path + ".") if dataclasses.is_dataclass(hint) else [path])
     return keys

@@ -330,7 +330,7 @@ def test_cpu_matmul_attention_matches_the_float32_reference(case):
 
 # ----------------------------------------------------------------------------- with FSDP2
 _FSDP_SCRIPT = r"""
-import json, sys, warnings, torch, lightning as L
+import json, warnings, torch, lightning as L
 from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lit_transformer.model import TransformerConfig
@@ -338,29 +338,36 @@ from lit_transformer.objectives import CausalLM, OptimConfig
 from lit_transformer.training.distributed import CheckpointedBlock
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
-torch.manual_seed(0)
-checkpointing = sys.argv[1] == "1"
-cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44, max_seq_len=32,
-                        dropout=0.1)
-module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0),
-                  activation_checkpointing=checkpointing)
-ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]
-losses = []
+
 
 class Record(L.Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        losses.append(float(outputs["loss"]))
+    def __init__(self):
+        self.losses = []
 
-strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-fit = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
-                max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, callbacks=[Record()])
-fit.fit(module, DataLoader([{"input_ids": ids, "labels": labels}] * 16, batch_size=None))
-blocks = module.model.transformer.decoder.blocks
-report = {"losses": losses, "checkpointed": all(isinstance(b, CheckpointedBlock) for b in blocks),
-          "sharded": type(blocks[0].attn.q.weight).__name__ == "DTensor"}
-with open(f"report_{int(checkpointing)}_{fit.global_rank}.json", "w") as f:
-    json.dump(report, f)
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+# both runs in one 2-process job (a launch costs each process its imports): the same seed, model,
+# batches and dropout draws, with and without checkpointing
+for checkpointing in (False, True):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44,
+                            max_seq_len=32, dropout=0.1)
+    module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0),
+                      activation_checkpointing=checkpointing)
+    ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]
+    record = Record()
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    fit = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
+                    max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[record])
+    fit.fit(module, DataLoader([{"input_ids": ids, "labels": labels}] * 16, batch_size=None))
+    blocks = module.model.transformer.decoder.blocks
+    report = {"losses": record.losses, "checkpointed": all(isinstance(b, CheckpointedBlock) for b in blocks),
+              "sharded": type(blocks[0].attn.q.weight).__name__ == "DTensor"}
+    with open(f"report_{int(checkpointing)}_{fit.global_rank}.json", "w") as f:
+        json.dump(report, f)
 """
 
 
@@ -370,18 +377,17 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
     on): the same per-step losses on every rank as without checkpointing."""
     script = tmp_path / "fsdp_ac.py"
     script.write_text(_FSDP_SCRIPT)
-    for flag in ("0", "1"):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(21000 + os.getpid() % 20000 + int(flag)),
-            OMP_NUM_THREADS="1",
-            PYTHONWARNINGS="ignore",
-        )
-        result = subprocess.run(
-            [sys.executable, str(script), flag], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(21000 + os.getpid() % 20000),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         plain = json.loads((tmp_path / f"report_0_{rank}.json").read_text())
         checkpointed = json.loads((tmp_path / f"report_1_{rank}.json").read_text())
