@@ -43,6 +43,7 @@ PAPER_SCALE = (
     "transformer-big-wmt",
     "ul2-base",
     "unilm-base",
+    "gptbert-base",
 )
 CPU_RECIPES = tuple(name for name in ALL if name not in PAPER_SCALE)
 STRATEGIES = ("ddp", "fsdp")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.errors import DataError
 
-TASK_OBJECTIVES = ("mlm", "clm", "prefix_lm", "span", "seq2seq")
+TASK_OBJECTIVES = ("mlm", "clm", "prefix_lm", "mntp", "span", "seq2seq")
 PIPELINES = ("mlm", "clm", "span", "seq2seq")
 
 
@@ -20,11 +20,16 @@ class MixtureTask:
     """One task of a mixture, as plain values (the recipe layer builds these)."""
 
     name: str
-    objective: str  # what it trains: mlm | clm | prefix_lm | span | seq2seq
+    objective: str  # what it trains: mlm | clm | prefix_lm | mntp | span | seq2seq
     pipeline: str  # the TextDataModule objective that caches and collates its data: mlm | clm | span | seq2seq
     data: DataConfig
     prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix
     mode_token: str | None = None  # put before every input (UL2's [NLU], [NLG], [S2S])
+    # mntp: the mask rate at step 0 and from MixtureSettings.max_steps on, and the longest span
+    # (data/batches/mntp.py; GPT-BERT: 0.30 -> 0.15, spans of 1 to 3 tokens)
+    mask_rate_start: float = 0.15
+    mask_rate_end: float = 0.15
+    max_span_length: int = 3
 
     def __post_init__(self):
         if self.objective not in TASK_OBJECTIVES:
@@ -33,6 +38,11 @@ class MixtureTask:
             raise DataError(f"tasks.{self.name}: pipeline {self.pipeline!r} is not one of {list(PIPELINES)}")
         if not 0.0 < self.prefix_fraction < 1.0:
             raise DataError(f"tasks.{self.name}.prefix_fraction={self.prefix_fraction} is outside (0, 1)")
+        for key in ("mask_rate_start", "mask_rate_end"):
+            if not 0.0 < getattr(self, key) < 1.0:
+                raise DataError(f"tasks.{self.name}.{key}={getattr(self, key)} is outside (0, 1)")
+        if self.max_span_length < 1:
+            raise DataError(f"tasks.{self.name}.max_span_length={self.max_span_length} must be positive")
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class MixtureSettings:
     cap: int | None = None
     temperature: float = 1.0
     accumulate: int = 1  # micro-batches per optimizer step: they all draw the step's task
+    mixing: str = "step"  # one task per optimizer step, or rows of every task in each batch ("row")
+    max_steps: int | None = None  # the optimizer steps an mntp task's mask rate falls over
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,23 @@
 """Multi-task pretraining: one LanguageModel trained on a mixture of tasks (UniLM, Dong et al.
-2019; UL2, Tay et al. 2022; T5's mixtures, Raffel et al. 2020, 3.5). Every training batch
-belongs to one task (batch["task"], the data module's MixtureBatchSampler draws one task per
-optimizer step, the same on every rank); the loss is that task's objective, computed by the
-same functions the single objectives use, so a mixture of one task trains exactly as the
-single objective does. The attention mode travels with the batch: a decoder's rows carry
-prefix_lengths (0 causal, p prefix, T bidirectional), and a batch without them keeps SDPA's
-fused causal path.
+2019; UL2, Tay et al. 2022; T5's mixtures, Raffel et al. 2020, 3.5; GPT-BERT, Charpentier and
+Samuel 2024). With step mixing every training batch belongs to one task (batch["task"], the
+data module's MixtureBatchSampler draws one task per optimizer step, the same on every rank);
+the loss is that task's objective, computed by the same functions the single objectives use,
+so a mixture of one task trains exactly as the single objective does. With row mixing
+(mixture.mixing=row) a batch stacks rows of every task of a decoder (batch["row_task"] (B,)):
+its loss is the sum of each task's terms over its rows divided by the batch's target count
+(row_loss.py), so every target weighs as in its single objective. The attention mode travels
+with the batch: a decoder's rows carry prefix_lengths (0 causal, p prefix, T bidirectional),
+and a batch without them keeps SDPA's fused causal path.
 
 Logged per task (besides the mixture's train/loss, train/lr, ...):
   train/<task>/loss, train/<task>/ppl, train/<task>/bpb (clm and prefix_lm tasks: their loss
   predicts the text in order, recipe.tasks' predicts_text_in_order), train/<task>/accuracy
-  (mlm: masked tokens; encoder-decoder tasks: target tokens), on the steps that task trains;
-  train/<task>/step_share, train/<task>/token_share: its share of the micro-batches and of the
-  input tokens so far (saved in checkpoints, so a resumed run goes on counting);
+  (mlm, mntp: masked tokens; encoder-decoder tasks: target tokens), on the steps that task
+  trains (row mixing: every step, from its own rows);
+  train/<task>/step_share, train/<task>/token_share: its share of the micro-batches (row
+  mixing: of the rows) and of the input tokens so far (saved in checkpoints, so a resumed run
+  goes on counting);
   val/<task>/loss, ppl, bpb, masked_accuracy or token_accuracy, as the single objectives name them
   (test/<task>/... likewise, on the test split).
 
@@ -21,6 +26,7 @@ Shape legend: B batch, T length.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Unpack
 
 import torch
@@ -30,8 +36,9 @@ from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.objectives.causal_lm import causal_terms
 from lit_transformer.objectives.masked_lm import masked_terms
-from lit_transformer.objectives.metrics import TokenAverage
+from lit_transformer.objectives.metrics import TokenAverage, bits_per_byte
 from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.row_loss import row_terms
 from lit_transformer.objectives.seq2seq import seq2seq_terms
 from lit_transformer.recipe.registry import MIXTURE, implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
@@ -39,7 +46,9 @@ from lit_transformer.recipe.tasks import TASK_OBJECTIVES
 from lit_transformer.training.throughput import non_pad_tokens
 
 # the accuracy each task objective reports, named as its single objective names it
-_ACCURACY = {"mlm": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
+_ACCURACY = {"mlm": "masked_accuracy", "mntp": "masked_accuracy", "span": "token_accuracy", "seq2seq": "token_accuracy"}
+# task objectives whose loss covers the masked tokens that their labels name (masked_terms)
+_MASKED = ("mlm", "mntp")
 
 
 @implements(MIXTURE)
@@ -54,7 +63,7 @@ class MultiTaskLM(ObjectiveBase):
         bytes_per_token: list[float | None] | None = None,
         **options: Unpack[ObjectiveOptions],
     ):
-        """`tasks`: [{"name": ..., "objective": mlm | clm | prefix_lm | span | seq2seq}] in the
+        """`tasks`: [{"name": ..., "objective": mlm | clm | prefix_lm | mntp | span | seq2seq}] in the
         data module's order (batch["task"] indexes it). `bytes_per_token`: each task's
         validation bytes per token (None where it has no validation split), for bits per byte."""
         lm = as_language_model(model)
@@ -93,6 +102,8 @@ class MultiTaskLM(ObjectiveBase):
         return self.model(input_ids, attention_mask, **kwargs)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        if "row_task" in batch:
+            return self._row_training_step(batch)
         index = int(batch["task"])
         task = self.tasks[index]
         loss_sum, nll_sum, count, correct = self._terms(task, batch, self.optim.label_smoothing, self.optim.z_loss)
@@ -111,7 +122,32 @@ class MultiTaskLM(ObjectiveBase):
             task_bytes_per_token=self._task_bpb[index],
         )
         if self._trainer is not None:
-            self._log_shares(index, batch)
+            self._log_shares({index: (1, self._input_tokens(batch))})
+        return loss
+
+    def _row_training_step(self, batch: dict[str, Any]) -> torch.Tensor | None:
+        """A batch of every task's rows (mixture.mixing=row): one loss over all their targets."""
+        accuracy = [self._accuracy_name(task) is not None for task in self.tasks]
+        fused = self.fuse_head_and_loss()
+        terms = row_terms(
+            self.model, batch, self.optim.label_smoothing, fused=fused, accuracy=accuracy, z_loss=self.optim.z_loss
+        )
+        count = sum(term[2] for term in terms)
+        n = self.token_normalizer(count)
+        loss = self.finish_training_step(
+            sum(term[0] for term in terms) / n,
+            sum(term[1] for term in terms) / n,
+            batch,
+            flop_tokens=batch["attention_mask"].sum(),
+            head_positions=count,
+        )
+        if self._trainer is not None:
+            self._log_row_tasks(terms)
+            owner = batch["row_task"]
+            mask = batch["attention_mask"]
+            self._log_shares(
+                {t: (int((owner == t).sum()), float(mask[owner == t].sum())) for t in range(len(self.tasks))}
+            )
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -179,7 +215,7 @@ class MultiTaskLM(ObjectiveBase):
     def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
         """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""
         objective = task["objective"]
-        if objective == "mlm":
+        if objective in _MASKED:  # mntp's collator put each target at the position before its token
             return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
         fused = self.fuse_head_and_loss()
         if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
@@ -196,22 +232,45 @@ class MultiTaskLM(ObjectiveBase):
         ]
 
     def _accuracy_name(self, task: dict[str, str]) -> str | None:
-        if task["objective"] == "mlm":
-            return _ACCURACY["mlm"]
+        if task["objective"] in _MASKED:
+            return _ACCURACY[task["objective"]]
         return _ACCURACY["seq2seq"] if self.encoder_decoder else None
 
-    def _log_shares(self, index: int, batch: dict[str, Any]) -> None:
-        """Every task's share of the micro-batches and input tokens so far (this rank's token
-        count times the ranks: packed rows have the same count on every rank)."""
+    def _log_row_tasks(self, terms: list) -> None:
+        """train/<task>/loss, ppl, bpb and accuracy of each task's rows of a stacked batch, over
+        all ranks' rows (one all-reduce of the tasks' sums); a task without targets logs nothing."""
+        sums = torch.stack([torch.stack([v.detach().to(torch.float64) for v in term]) for term in terms])  # (tasks, 4)
+        if self.trainer.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums)
+        for index, (task, (loss_sum, nll_sum, count, correct)) in enumerate(zip(self.tasks, sums.tolist())):
+            if count == 0:
+                continue
+            prefix = f"train/{task['name']}/"
+            self.log(f"{prefix}loss", loss_sum / count)
+            self.log(f"{prefix}ppl", math.exp(min(nll_sum / count, 700.0)))
+            if self._task_bpb[index] is not None:
+                self.log(f"{prefix}bpb", bits_per_byte(nll_sum / count, self._task_bpb[index]))
+            if self._accuracy_name(task) is not None:
+                self.log(f"{prefix}accuracy", correct / count)
+
+    @staticmethod
+    def _input_tokens(batch: dict[str, Any]) -> float:
         tokens = non_pad_tokens(batch["input_ids"], batch.get("attention_mask"))
         if "decoder_input_ids" in batch:
             tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
-        self.task_batches[index] += 1
-        self.task_tokens[index] += float(tokens) * self.trainer.world_size
-        batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
-        for task, count, used in zip(self.tasks, self.task_batches, self.task_tokens):
-            self.log(f"train/{task['name']}/step_share", count / batches)
-            self.log(f"train/{task['name']}/token_share", used / all_tokens)
+        return float(tokens)
+
+    def _log_shares(self, used: dict[int, tuple[int, float]]) -> None:
+        """Every task's share of the micro-batches (row mixing: rows) and input tokens so far,
+        given {task: (micro-batches or rows, input tokens)} of this batch (this rank's token count
+        times the ranks: packed rows have the same count on every rank)."""
+        for index, (batches, tokens) in used.items():
+            self.task_batches[index] += batches
+            self.task_tokens[index] += tokens * self.trainer.world_size
+        all_batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
+        for task, count, spent in zip(self.tasks, self.task_batches, self.task_tokens):
+            self.log(f"train/{task['name']}/step_share", count / all_batches)
+            self.log(f"train/{task['name']}/token_share", spent / all_tokens)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -36,11 +36,14 @@ SCHEDULES = typing.get_args(Schedule)
 OptimizerName = Literal["adamw", "muon"]
 OPTIMIZERS = typing.get_args(OptimizerName)
 # what one task of a mixture trains (recipe/tasks.py): prefix_lm is bidirectional over a prefix and
-# causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder)
-TaskObjective = Literal["mlm", "clm", "prefix_lm", "span", "seq2seq"]
+# causal after it (a decoder), or the prefix encoded and its continuation decoded (an encoder-decoder);
+# mntp is GPT-BERT's masked next-token prediction on a decoder
+TaskObjective = Literal["mlm", "clm", "prefix_lm", "mntp", "span", "seq2seq"]
 # how a mixture's tasks are drawn (Raffel et al. 2020, 3.5.2): the tasks' weights, examples-
 # proportional with an artificial limit K, or temperature-scaled
 MixtureRates = Literal["weights", "proportional", "temperature"]
+# one task per optimizer step, or rows of every task in each batch (a decoder's same-shape tasks)
+Mixing = Literal["step", "row"]
 
 
 def need(ok: bool, key: str, value: Any, what: str) -> None:
@@ -330,6 +333,15 @@ class TaskConfig:
     weight: float = 1.0  # mixture.rates=weights: the task's share of steps is weight / sum of weights
     mode_token: str | None = None  # UL2's paradigm token ([NLU], [NLG], [S2S]) put before every input
     mlm_probability: float | None = None  # mlm
+    # mlm, mntp: of the chosen tokens, the share that becomes [MASK] and the share a random token
+    # (the rest stay); null: data.mask_replace_prob, data.random_replace_prob
+    mask_replace_prob: float | None = None
+    random_replace_prob: float | None = None
+    # mntp: the mask rate at step 0 and from trainer.max_steps on, linear between (GPT-BERT: 0.30
+    # and 0.15); null: mask_rate_end, and data.mlm_probability for mask_rate_end
+    mask_rate_start: float | None = None
+    mask_rate_end: float | None = None
+    max_span_length: int | None = None  # mntp: spans of 1..this many tokens; null: 3 (GPT-BERT's)
     noise_density: float | None = None  # span
     mean_span_length: float | None = None  # span
     prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix (UL2's S-denoiser: 0.75)
@@ -343,6 +355,10 @@ class TaskConfig:
             self.prefix_fraction,
             "is outside (0, 1)",
         )
+        for key in ("mask_rate_start", "mask_rate_end"):
+            value = getattr(self, key)
+            need(value is None or 0 < value < 1, f"tasks.{self.name}.{key}", value, "is outside (0, 1)")
+        need_positive_int(f"tasks.{self.name}.max_span_length", self.max_span_length, optional=True)
         need(
             self.mode_token is None or (isinstance(self.mode_token, str) and self.mode_token.strip() != ""),
             f"tasks.{self.name}.mode_token",
@@ -356,6 +372,10 @@ class MixtureConfig:
     rates: MixtureRates = "weights"
     cap: int | None = None  # K, in training examples, for proportional and temperature rates; null: no limit
     temperature: float = 1.0  # temperature rates: r_i proportional to min(n_i, K) ** (1 / temperature)
+    # step: each optimizer step trains one task (its batch keeps its own shape and SDPA's fused
+    # causal kernel where it is causal); row: every batch holds rows of every task, by the rates
+    # (GPT-BERT's causal and masked rows in one step; a decoder's tasks of one shape only)
+    mixing: Mixing = "step"
 
     def __post_init__(self):
         need_positive_int("mixture.cap", self.cap, optional=True)
@@ -403,6 +423,13 @@ def rename(tree: Any, mapping: dict[str, str]) -> Any:
     return tree
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints, once per class: the annotations are strings (`from __future__ import
+    annotations`), so each call compiles every one again, and reading a recipe asks thousands of times."""
+    return typing.get_type_hints(cls)
+
+
 def field_type(path: list[str]) -> Any:
     """The type hint at a dotted path of RunConfig (internal names), or None off the schema."""
     cls: Any = RunConfig
@@ -421,13 +448,6 @@ def is_list_type(hint: Any) -> bool:
     if typing.get_origin(hint) is list:
         return True
     return any(typing.get_origin(arg) is list for arg in typing.get_args(hint))
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    """typing.get_type_hints, once per class: the annotations are strings (`from __future__ import
-    annotations`), so each call compiles every one again, and reading a recipe asks thousands of times."""
-    return typing.get_type_hints(cls)
 
 
 def all_keys(cls: Any = RunConfig, prefix: str = "") -> list[str]:

@@ -8,8 +8,14 @@ A task objective trains one attention mode of the shared core:
   prefix_lm  a decoder bidirectional over a prefix and causal after it (UniLM's seq2seq mask,
              T5's prefix LM), or an encoder-decoder that encodes the prefix and decodes the rest
              (UL2's S-denoiser)
+  mntp       masked next-token prediction (GPT-BERT, Charpentier and Samuel 2024): a decoder
+             reading masked rows bidirectionally, each masked token predicted at the position
+             before it (data/batches/mntp.py)
   span       T5 span corruption: an encoder-decoder (UL2's R- and X-denoisers)
   seq2seq    supervised source -> target pairs: an encoder-decoder
+
+`mixture.mixing: row` stacks rows of every task in each batch, which only a decoder's clm, mlm,
+mntp and prefix_lm tasks of one row length and one batch size can share (ROW_MIXING).
 
 Nothing here imports torch or Lightning.
 """
@@ -33,6 +39,9 @@ class TaskObjectiveSpec:
     parameters: tuple[str, ...] = ()  # the task keys of its objective (each replaces the data key of that name)
     length_keys: tuple[str, ...] = ("block_size",)  # data keys that bound what the model reads
     bidirectional: bool = False  # trains a decoder's fully bidirectional mode (classification reads it)
+    # a masked token's prediction is read at the position before it (mntp: the causal head's
+    # convention), not at its own position (mlm); masked scoring must read it there too
+    shifted_targets: bool = False
     # its loss predicts the text in order (a whole block, or the continuation after a prefix), so
     # it converts to bits per byte of the text; mlm and span predict corrupted tokens only
     predicts_text_in_order: bool = False
@@ -42,7 +51,7 @@ TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
     "mlm": TaskObjectiveSpec(
         ("encoder", "decoder"),
         {"encoder": "mlm", "decoder": "mlm"},
-        parameters=("mlm_probability",),
+        parameters=("mlm_probability", "mask_replace_prob", "random_replace_prob"),
         bidirectional=True,
     ),
     "clm": TaskObjectiveSpec(("decoder",), {"decoder": "clm"}, predicts_text_in_order=True),
@@ -50,6 +59,14 @@ TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
     # plain blocks of T tokens into what it encodes and what it decodes
     "prefix_lm": TaskObjectiveSpec(
         ("decoder", "encoder_decoder"), {"decoder": "clm", "encoder_decoder": "mlm"}, predicts_text_in_order=True
+    ),
+    # reads the clm pipeline's next-token blocks (T + 1 tokens), so it shares a clm task's token cache
+    "mntp": TaskObjectiveSpec(
+        ("decoder",),
+        {"decoder": "clm"},
+        parameters=("mask_rate_start", "mask_rate_end", "max_span_length", "mask_replace_prob", "random_replace_prob"),
+        bidirectional=True,
+        shifted_targets=True,
     ),
     "span": TaskObjectiveSpec(
         ("encoder_decoder",), {"encoder_decoder": "span"}, parameters=("noise_density", "mean_span_length")
@@ -60,7 +77,18 @@ TASK_OBJECTIVES: dict[str, TaskObjectiveSpec] = {
 }
 
 # the recipe's data keys that a task's own objective parameters replace
-_OBJECTIVE_PARAMETERS = ("mlm_probability", "noise_density", "mean_span_length")
+_OBJECTIVE_PARAMETERS = (
+    "mlm_probability",
+    "mask_replace_prob",
+    "random_replace_prob",
+    "noise_density",
+    "mean_span_length",
+)
+# task keys of one objective's own, with no data key behind them
+_TASK_PARAMETERS = ("mask_rate_start", "mask_rate_end", "max_span_length")
+MAX_SPAN_LENGTH = 3  # mntp's default (GPT-BERT's SpanMaskingStrategy)
+# mixture.mixing=row: the task objectives whose rows stack in one batch, by model.arch
+ROW_MIXING = {"decoder": ("clm", "mlm", "mntp", "prefix_lm")}
 
 
 def pipeline(task: TaskConfig, arch: str) -> str:
@@ -142,12 +170,42 @@ def check_mixture(cfg: RunConfig, arch: str, source: str) -> None:
                 f"{source}: tasks.{task.name}: data.batch_tokens is not offered in a mixture "
                 "(each task's batches hold data.batch_size examples)"
             )
-        for key in _OBJECTIVE_PARAMETERS:
+        for key in (*_OBJECTIVE_PARAMETERS, *_TASK_PARAMETERS):
             if key not in spec.parameters and getattr(task, key) is not None:
                 takes = [name for name, other in TASK_OBJECTIVES.items() if key in other.parameters]
                 raise RecipeError(
                     f"{source}: tasks.{task.name}.{key} applies to objective {', '.join(takes)}, not {task.objective}"
                 )
+    if cfg.mixture.mixing == "row":
+        _check_row_mixing(cfg, arch, source)
+
+
+def _check_row_mixing(cfg: RunConfig, arch: str, source: str) -> None:
+    """mixture.mixing=row stacks every task's rows in one batch: one shape for all of them."""
+    stackable = ROW_MIXING.get(arch, ())
+    for task in cfg.tasks:
+        if task.objective not in stackable:
+            raise RecipeError(
+                f"{source}: mixture.mixing=row stacks rows of {list(ROW_MIXING['decoder'])} tasks of a decoder; "
+                f"tasks.{task.name}.objective={task.objective} on model.arch={arch} has batches of another "
+                "shape: use mixture.mixing=step"
+            )
+    first = cfg.tasks[0]
+    shape = _row_shape(cfg, first)
+    for task in cfg.tasks[1:]:
+        if _row_shape(cfg, task) != shape:
+            raise RecipeError(
+                f"{source}: mixture.mixing=row stacks rows of one length and one data.batch_size: tasks.{task.name} "
+                f"has (length, batch) {_row_shape(cfg, task)}, tasks.{first.name} {shape}; make data.block_size, "
+                "data.batch_size and the mode tokens agree, or use mixture.mixing=step"
+            )
+
+
+def _row_shape(cfg: RunConfig, task: TaskConfig) -> tuple[int, int]:
+    """(tokens a decoder row of the task holds, examples per batch): every decoder pipeline's
+    row is data.block_size tokens (a next-token block of T + 1 gives T inputs), with its mode token."""
+    data = task_data(cfg, task)
+    return data.block_size + (task.mode_token is not None), data.batch_size
 
 
 def trains_bidirectional_mode(cfg: RunConfig) -> bool:
@@ -171,6 +229,7 @@ def data_plan(cfg: RunConfig) -> DataPlan:
             data=task_data(cfg, t),
             prefix_fraction=t.prefix_fraction,
             mode_token=t.mode_token,
+            **_mask_schedule(cfg, t),
         )
         for t in cfg.tasks
     )
@@ -182,7 +241,21 @@ def data_plan(cfg: RunConfig) -> DataPlan:
         cap=m.cap,
         temperature=m.temperature,
         accumulate=cfg.trainer.accumulate_grad_batches,
+        mixing=m.mixing,
+        max_steps=cfg.trainer.max_steps,
     )
     return DataPlan(
         kind=kind, data=cfg.data, tokenizer=cfg.tokenizer, seed=cfg.trainer.seed, tasks=tasks, mixture=mixing
+    )
+
+
+def _mask_schedule(cfg: RunConfig, task: TaskConfig) -> dict:
+    """An mntp task's mask rates and span length, the defaults filled in (TaskConfig's comments)."""
+    if task.objective != "mntp":
+        return {}
+    end = task.mask_rate_end if task.mask_rate_end is not None else task_data(cfg, task).mlm_probability
+    return dict(
+        mask_rate_start=task.mask_rate_start if task.mask_rate_start is not None else end,
+        mask_rate_end=end,
+        max_span_length=task.max_span_length if task.max_span_length is not None else MAX_SPAN_LENGTH,
     )

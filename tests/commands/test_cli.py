@@ -186,18 +186,23 @@ def test_tiny_recipe_trains_and_leaves_a_complete_run(name, runs):
     if name != "tiny-classify":  # ten steps learn token statistics; docstring topics take longer
         assert sum(losses[-3:]) < sum(losses[:3]) - 0.1, losses
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert math.isfinite(metrics["val/loss"])
+    val_losses = [v for k, v in metrics.items() if k.startswith("val/") and k.endswith("loss")]  # a mixture's per task
+    assert len(val_losses) == len(MIXTURE_TASKS.get(name, [name])) and all(map(math.isfinite, val_losses))
     model = load_pretrained(run_dir)
     assert model.config.d_model == 24 and model.config.vocab_size <= VOCAB[name]
     assert load_recipe(run_dir / "config.yaml").trainer.max_steps == 10
 
 
+MIXTURE_TASKS = {"tiny-gptbert": ("clm", "mntp")}  # the tiny mixtures' tasks: each has its own metrics
 EXPECTED_KEYS = {  # the metrics of the entry `validation`, besides its seconds
     "tiny-mlm": {"loss", "perplexity", "accuracy"},  # a masked loss is not bits per byte of the text
     "tiny-clm": {"loss", "perplexity", "bits_per_byte"},
     "tiny-span": {"loss", "perplexity", "accuracy"},
     "tiny-seq2seq": {"loss", "perplexity", "accuracy"},  # the target's loss given the source: no bits per byte
     "tiny-classify": {"loss", "accuracy", "macro_f1"},
+    # a mixture's as <task>/<metric>: mntp's loss is over masked tokens, not bits per byte of the text
+    "tiny-gptbert": {f"clm/{k}" for k in ("loss", "perplexity", "bits_per_byte")}
+    | {f"mntp/{k}" for k in ("loss", "perplexity", "accuracy")},
 }
 # a translation run's split is also decoded: entry `validation_translation`
 TRANSLATION_KEYS = {"bleu", "chrf", "sentences", "bleu_signature", "chrf_signature", "dtype", "device"}
@@ -215,7 +220,8 @@ def test_evaluate_json_reproduces_the_final_validation(name, runs, capsys):
     run_dir = runs[name]
     assert main(["evaluate", str(run_dir), "--split", "validation", "--json", "--max-batches", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["objective"] == name.removeprefix("tiny-") and out["target"] == str(run_dir)
+    objective = "mixture" if name in MIXTURE_TASKS else name.removeprefix("tiny-")
+    assert out["objective"] == objective and out["target"] == str(run_dir)
     ours = entry_metrics(out, "validation")
     assert set(ours) == EXPECTED_KEYS[name]
     translated = entry_metrics(out, "validation_translation")
@@ -223,12 +229,14 @@ def test_evaluate_json_reproduces_the_final_validation(name, runs, capsys):
     entries = {key.split("/")[1] for key in out if key.startswith("eval/")}
     assert entries == {"validation", *(["validation_translation"] if translated else [])}  # no eval section
     final = json.loads((run_dir / "metrics.json").read_text())  # same model, same 2 batches
-    assert ours["loss"] == pytest.approx(final["val/loss"], rel=1e-5)
-    if "bits_per_byte" in ours:
-        assert ours["bits_per_byte"] == pytest.approx(final["val/bpb"], rel=1e-5)
+    for prefix in [f"{task}/" for task in MIXTURE_TASKS.get(name, [])] or [""]:  # each task's (mntp: same masks)
+        assert ours[f"{prefix}loss"] == pytest.approx(final[f"val/{prefix}loss"], rel=1e-5)
+        if f"{prefix}bits_per_byte" in ours:
+            assert ours[f"{prefix}bits_per_byte"] == pytest.approx(final[f"val/{prefix}bpb"], rel=1e-5)
     # the newest checkpoint holds the same final weights
     assert main(["evaluate", str(run_dir / "checkpoints" / "last.ckpt"), "--json", "--max-batches", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["eval/validation/loss"] == pytest.approx(ours["loss"], rel=1e-5)
+    again = json.loads(capsys.readouterr().out)
+    assert all(again[f"eval/validation/{key}"] == pytest.approx(ours[key], rel=1e-5) for key in ours if "loss" in key)
 
 
 def test_evaluate_runs_what_is_named_and_the_split_by_default(runs, tmp_path, capsys):

@@ -137,8 +137,8 @@ def take(sampler, k):
 def test_ranks_draw_the_same_tasks_from_disjoint_shards():
     keys = [take(mixture_sampler(rank=r, world=2), 80) for r in range(2)]
     assert [k[0] for k in keys[0]] == [k[0] for k in keys[1]]
-    assert [(t, e, b) for t, (e, b, _) in keys[0]] == [(t, e, b) for t, (e, b, _) in keys[1]]
-    for (t, (_, _, a)), (_, (_, _, b)) in zip(*keys):
+    assert [(t, e, b) for t, (e, b, _), _ in keys[0]] == [(t, e, b) for t, (e, b, _), _ in keys[1]]
+    for (t, (_, _, a), _), (_, (_, _, b), _) in zip(*keys):
         assert len(a) == len(b) == 3 and not set(a) & set(b)
     assert {k[0] for k in keys[0]} == {0, 1}
 
@@ -153,7 +153,7 @@ def test_each_task_cycles_through_its_own_epochs():
         for epoch in range(10):
             single.set_epoch(epoch)
             expected += list(single)
-        mine = [key for task, key in keys if task == t]
+        mine = [key for task, key, _ in keys if task == t]
         assert mine == expected[: len(mine)]
         assert mine[-1][0] >= 2  # crossed epoch boundaries (13 and 8 batches per epoch)
 
@@ -161,7 +161,7 @@ def test_each_task_cycles_through_its_own_epochs():
 def test_resumed_sampler_continues_exactly():
     full = take(mixture_sampler(accumulate=2), 90)
     for n in (0, 17, 40):
-        counts = collections.Counter(t for t, _ in full[:n])
+        counts = collections.Counter(t for t, _, _ in full[:n])
         resumed = mixture_sampler(accumulate=2)
         resumed.resume(n, [counts[0], counts[1]])
         assert take(resumed, 50) == full[n : n + 50]
@@ -169,7 +169,8 @@ def test_resumed_sampler_continues_exactly():
 
 def test_accumulated_micro_batches_share_their_step_task():
     keys = take(mixture_sampler(accumulate=2, rates=(0.5, 0.5)), 200)
-    tasks = [t for t, _ in keys]
+    tasks = [t for t, _, _ in keys]
+    assert [step for _, _, step in keys] == [i // 2 for i in range(200)]  # the optimizer step rides with each key
     assert all(tasks[2 * k] == tasks[2 * k + 1] for k in range(100))
     assert tasks[::2] == [task_for_step(5, s, [0.5, 0.5]) for s in range(100)]
     assert len(set(tasks[::2])) == 2

@@ -104,6 +104,7 @@ def test_recipes_lists_every_shipped_recipe_from_its_yaml():
     }
     assert rows["tiny-clm-linear"]["objective"] == "clm"  # from the recipe it extends
     assert rows["tiny-unilm"]["objective"] == "mixture (mlm, clm, prefix_lm)"
+    assert rows["tiny-gptbert"]["objective"] == rows["gptbert-base"]["objective"] == "mixture (clm, mntp)"
     assert (rows["bert-base-mlm"]["arch"], rows["bert-base-mlm"]["model"]) == ("encoder", "bert-base")  # the preset's
     assert rows["minilm-classify"]["model"] == "from minilm"
     assert rows["speedrun-clm"]["model"] == "size auto"

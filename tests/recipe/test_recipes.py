@@ -33,6 +33,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
     "llama-style-clm": (1090, 1110),  # TinyLlama: 1.1B
     "ul2-base": (220, 225),  # Tay et al. 2022 trained T5 sizes; T5-base: 220M
     "unilm-base": (120, 126),  # Dong et al. 2019 used BERT-base's shape: 110M (+ GPT-2's 50k vocabulary)
+    "gptbert-base": (110, 114),  # ours: GPT-BERT's base shape (12 x 768, GEGLU 2560) and 16k vocabulary
     "speedrun-clm": (1, 6),  # ours: sized for 5 minutes on 2 CPU cores
     "small-corpus-translation": (5, 6.5),  # ours: a 2017-style model for 2 CPU cores, 8k shared BPE
 }
@@ -40,7 +41,7 @@ PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer 
 
 def test_the_recipes_promised_exist():
     names = {p.stem for p in ALL}
-    for objective in ("mlm", "clm", "span", "seq2seq", "classify", "unilm", "ul2"):
+    for objective in ("mlm", "clm", "span", "seq2seq", "classify", "unilm", "ul2", "gptbert"):
         assert f"tiny-{objective}" in names
     assert {
         "tiny-classify-from-pretrained",

@@ -336,7 +336,7 @@ def test_a_mixture_resumes_on_two_ranks_inside_a_task_epoch_that_a_step_crossed(
     keys = list(itertools.islice(iter(one), 200))
     counts = [0, 0]
     for stop in range(1, 100):  # the first step after which task 1 stands at an odd position
-        counts = [sum(t == task for t, _ in keys[: 2 * stop]) for task in (0, 1)]
+        counts = [sum(t == task for t, _, _ in keys[: 2 * stop]) for task in (0, 1)]
         if cursor(counts[1], (0, 0, 0), 40, 3)[1] % 6:
             break
     epoch, position = cursor(counts[1], (0, 0, 0), 40, 3)
@@ -347,10 +347,10 @@ def test_a_mixture_resumes_on_two_ranks_inside_a_task_epoch_that_a_step_crossed(
         origins = [(c, *cursor(c, (0, 0, 0), n, 3)) for c, n in zip(counts, sizes)]
         sampler.resume(stop, counts, origins)  # 2 x stop micro-batches of 1 rank: `stop` steps
         ranks.append(list(itertools.islice(iter(sampler), 60)))
-    assert [t for t, _ in ranks[0]] == [task_for_step(seed, s, rates) for s in range(stop, stop + 60)]
+    assert [t for t, _, _ in ranks[0]] == [task_for_step(seed, s, rates) for s in range(stop, stop + 60)]
     order = ResumableBatchSampler(40, 1, seed=seed + 1).order(epoch)
-    before = [i for t, (e, _, idx) in keys[: 2 * stop] if t == 1 and e == epoch for i in idx]
-    after = [i for r in (0, 1) for t, (e, _, idx) in ranks[r] if t == 1 and e == epoch for i in idx]
+    before = [i for t, (e, _, idx), _ in keys[: 2 * stop] if t == 1 and e == epoch for i in idx]
+    after = [i for r in (0, 1) for t, (e, _, idx), _ in ranks[r] if t == 1 and e == epoch for i in idx]
     assert sorted(before) == sorted(order[:position].tolist())  # the epoch's first `position` examples
     assert sorted(after) == sorted(order[position : position + len(after)].tolist())  # then the rest, once
     assert len(after) == (40 - position) // 6 * 6

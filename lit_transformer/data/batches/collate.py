@@ -128,6 +128,15 @@ def word_start_table(tokenizer) -> torch.Tensor:
     return table
 
 
+def masking_ids(special: SpecialTokens, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids never masked nor predicted, (V',) ids a random replacement draws from): the special
+    tokens, and every other id of the vocabulary."""
+    never = torch.tensor(sorted(special.never_masked()), dtype=torch.long)
+    keep = torch.ones(vocab_size, dtype=torch.bool)
+    keep[never[never < vocab_size]] = False
+    return never, torch.nonzero(keep).squeeze(1)
+
+
 class MLMCollator:
     """BERT masking (Devlin et al. 2019, 3.1): select `probability` of the eligible tokens;
     of those, `mask_replace_prob` become the mask token, `random_replace_prob` a random
@@ -151,11 +160,7 @@ class MLMCollator:
         self.mask_replace_prob = mask_replace_prob
         self.random_replace_prob = random_replace_prob
         self.word_starts = word_starts  # None: token-level masking
-        never = sorted(special.never_masked())
-        self.never = torch.tensor(never, dtype=torch.long)
-        keep = torch.ones(vocab_size, dtype=torch.bool)
-        keep[self.never[self.never < vocab_size]] = False
-        self.random_ids = torch.nonzero(keep).squeeze(1)  # (V',) candidates for random replacement
+        self.never, self.random_ids = masking_ids(special, vocab_size)
         self.pad_id = special.pad_id if special.pad_id is not None else 0
         self.separator_id = _separator(special, document_mask)
 

@@ -84,8 +84,9 @@ def task_for_step(seed: int, step: int, rates: Sequence[float]) -> int:
 
 
 class MixtureBatchSampler(DistributedSampler):
-    """Infinite keys (task, (epoch, batch index, example indices)): micro-batch i trains the task
-    of step i // accumulate, and takes that task's next batch (module docstring).
+    """Infinite keys (task, (epoch, batch index, example indices), optimizer step): micro-batch i
+    trains the task of step i // accumulate, and takes that task's next batch (module docstring);
+    the step reaches the collators that schedule by it (mntp.py's mask rate).
 
     It subclasses DistributedSampler (as ResumableBatchSampler does) so that Lightning leaves it
     in place under DDP; each task's sampler is already sharded by rank. It has no length, so a
@@ -134,11 +135,11 @@ class MixtureBatchSampler(DistributedSampler):
         # a TypeError is what Lightning's `has_len` takes for "no length": an infinite loader
         raise TypeError("MixtureBatchSampler is infinite and has no length")
 
-    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple]]]:
+    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple], int]]:
         micro, counts = self._start[0], list(self._start[1])
         while True:
             t = task_for_step(self.seed, micro // self.accumulate, self.rates)
-            yield t, self.task_batch(t, counts[t])
+            yield t, self.task_batch(t, counts[t]), micro // self.accumulate
             counts[t] += 1
             micro += 1
 

@@ -1,5 +1,6 @@
-"""Collators of a mixture's tasks: prefix LM on a decoder or an encoder-decoder, and the wrapper
-that puts a task's mode token in front and tags its batches.
+"""Collators of a mixture's tasks: prefix LM on a decoder or an encoder-decoder, the wrapper
+that puts a task's mode token in front and tags its batches, and `task_collator`, which builds a
+task's collator for training and evaluation alike.
 
 Prefix LM (Raffel et al. 2020, 3.2.1; UniLM's seq2seq mask, Dong et al. 2019; UL2's S-denoiser,
 Tay et al. 2022): a row of n real tokens is split at p; the first p tokens are context seen in
@@ -20,10 +21,13 @@ from collections.abc import Callable
 import torch
 
 from lit_transformer.data.batches.collate import IGNORE_INDEX, CLMCollator, Seq2SeqCollator, per_example
+from lit_transformer.data.batches.mntp import MNTPCollator
+from lit_transformer.data.data_plan import MixtureTask
 from lit_transformer.data.tokens.tokenizer import SpecialTokens
 from lit_transformer.errors import DataError
 
 ARCHS = ("encoder", "decoder", "encoder_decoder")
+BIDIRECTIONAL_TASKS = ("mlm", "mntp")  # task objectives whose decoder rows are fully visible
 
 
 def prefix_length(n: int, prefix_fraction: float, gen: torch.Generator) -> int:
@@ -82,8 +86,10 @@ class TaskCollator:
 
     The mode token (UL2's [NLU], [NLG], [S2S]) is prepended after `base` ran, so masking never
     touches it: on decoder and encoder models to input_ids (attention 1, label ignored, and inside
-    the prefix: prefix_lengths + 1); on an encoder-decoder to the encoder input only. An mlm task
-    on a decoder sees its rows fully bidirectional: prefix_lengths = T, counted with the mode token.
+    the prefix: prefix_lengths + 1); on an encoder-decoder to the encoder input only. An mlm or
+    mntp task on a decoder sees its rows fully bidirectional: prefix_lengths = T, counted with the
+    mode token. `step` (a training batch's optimizer step) reaches a base that schedules by it
+    (`takes_step`: mntp.py's mask rate); validation batches come without one.
     """
 
     def __init__(self, base: Callable, *, task: int, objective: str, arch: str, mode_token_id: int | None = None):
@@ -91,9 +97,11 @@ class TaskCollator:
             raise ValueError(f"arch={arch!r} is not one of {list(ARCHS)}")
         self.base, self.task, self.objective, self.arch = base, int(task), objective, arch
         self.mode_token_id = mode_token_id
+        self.bidirectional = objective in BIDIRECTIONAL_TASKS and arch == "decoder"
+        self.takes_step = bool(getattr(base, "takes_step", False))
 
-    def __call__(self, examples, generators=None) -> dict:
-        batch = self.base(examples, generators)
+    def __call__(self, examples, generators=None, step: int | None = None) -> dict:
+        batch = self.base(examples, generators, step) if self.takes_step else self.base(examples, generators)
         if self.mode_token_id is not None:
             if "document_ids" in batch:
                 raise DataError("a mode token cannot be combined with data.document_mask (it belongs to no document)")
@@ -106,8 +114,40 @@ class TaskCollator:
                 batch["labels"] = torch.cat([ignored, batch["labels"]], dim=1)  # (B, 1 + T)
                 if "prefix_lengths" in batch:
                     batch["prefix_lengths"] = batch["prefix_lengths"] + 1
-        if self.objective == "mlm" and self.arch == "decoder":
+        if self.bidirectional:
             B, T = batch["input_ids"].shape
             batch["prefix_lengths"] = torch.full((B,), T, dtype=torch.long)
         batch["task"] = self.task
         return batch
+
+
+def task_collator(
+    task: MixtureTask,
+    index: int,
+    *,
+    arch: str,
+    base: Callable,
+    special: SpecialTokens,
+    vocab_size: int,
+    mode_token_id: int | None = None,
+    max_steps: int | None = None,
+) -> TaskCollator:
+    """Task `index`'s collator in a mixture, for training (MixtureDataModule) and evaluation
+    (MixtureSplitReader) alike: its pipeline's collator `base`, or the prefix-LM or mntp collator
+    that reads the same blocks, wrapped in TaskCollator. `max_steps`: the steps an mntp task's
+    mask rate falls over (evaluation passes no step, and reads the end rate)."""
+    if task.objective == "prefix_lm":
+        prefix = DecoderPrefixCollator if arch == "decoder" else EncoderDecoderPrefixCollator
+        base = prefix(special, task.prefix_fraction)
+    elif task.objective == "mntp":
+        base = MNTPCollator(
+            special=special,
+            vocab_size=vocab_size,
+            mask_rate_start=task.mask_rate_start,
+            mask_rate_end=task.mask_rate_end,
+            schedule_steps=max_steps,
+            max_span_length=task.max_span_length,
+            mask_replace_prob=task.data.mask_replace_prob,
+            random_replace_prob=task.data.random_replace_prob,
+        )
+    return TaskCollator(base, task=index, objective=task.objective, arch=arch, mode_token_id=mode_token_id)

@@ -37,4 +37,6 @@ def build_data_module(
         accumulate=m.accumulate,
         run_dir=run_dir,
         model_vocab_size=model_vocab_size,
+        mixing=m.mixing,
+        max_steps=m.max_steps,
     )

@@ -10,7 +10,11 @@ rates, the draws and the sampler are in data/batches/mixture_sampling.py.
 - Batches (`MixtureBatchSampler`): task t's batches come from its own rank-sharded sampler, which
   cycles through its own epochs: its c-th batch is batch c % per_epoch of epoch c // per_epoch.
   Task t seeds its permutation and its collator generators with seed + t, so a mixture of one
-  task draws exactly the batches a single-objective run with the same seed draws.
+  task draws exactly the batches a single-objective run with the same seed draws. Each key
+  carries its optimizer step, for a collator that schedules by it (mntp.py's mask rate).
+- Per-row mixing (`mixing="row"`, data/batches/row_mixing.py): instead of one task per step,
+  every micro-batch stacks data.batch_size rows of a decoder's tasks, apportioned by the rates;
+  task t's sampler then takes one row at a time, and its count is its rows so far.
 - Resume: the module's state is (micro-batches used, batches used per task), counted in
   `on_before_batch_transfer` as in text_module.py, so prefetched batches are not counted, with the
   layout they were counted on (ranks, batch sizes, accumulation). On another layout each task
@@ -34,7 +38,8 @@ from torch.utils.data import DataLoader
 
 from lit_transformer.data.batches.collate import example_generators
 from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler, mixture_rates
-from lit_transformer.data.batches.prefix import ARCHS, DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
+from lit_transformer.data.batches.prefix import ARCHS, task_collator
+from lit_transformer.data.batches.row_mixing import RowMixtureBatches, RowMixtureBatchSampler
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, cursor
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.data_plan import MixtureTask
@@ -49,10 +54,13 @@ from lit_transformer.errors import DataError
 MIXTURE_LAYOUT_KEYS = ("world_size", "batch_sizes", "accumulate")
 # prefix LM reads next-token blocks on a decoder, plain blocks that it splits on an encoder-decoder
 PREFIX_PIPELINES = {"decoder": "clm", "encoder_decoder": "mlm"}
+MIXINGS = ("step", "row")
+# the task objectives whose decoder batches have one shape: (B, T) inputs and labels, (B,) modes
+ROW_OBJECTIVES = ("clm", "mlm", "mntp", "prefix_lm")
 
 
 class _MixtureBatches(torch.utils.data.Dataset):
-    """Map-style dataset whose keys are MixtureBatchSampler's: (task, (epoch, batch index, indices))."""
+    """Map-style dataset whose keys are MixtureBatchSampler's: (task, (epoch, batch index, indices), step)."""
 
     def __init__(self, examples: list, collators: list, seed: int):
         self.examples, self.collators, self.seed = examples, collators, seed
@@ -61,9 +69,9 @@ class _MixtureBatches(torch.utils.data.Dataset):
         return sum(len(e) for e in self.examples)
 
     def __getitem__(self, key) -> dict:
-        t, (epoch, _, indices) = key
+        t, (epoch, _, indices), step = key
         gens = example_generators(self.seed + t, epoch, indices)  # task t's own seed (module docstring)
-        return self.collators[t]([self.examples[t][i] for i in indices], gens)
+        return self.collators[t]([self.examples[t][i] for i in indices], gens, step)
 
 
 class MixtureDataModule(RankedDataModule):
@@ -74,6 +82,10 @@ class MixtureDataModule(RankedDataModule):
     read as `tokenizer_pipeline` (default: the pipeline of the first task whose data is
     `tokenizer_data`, else of the first task). Every task then gets a TextDataModule that loads
     that one file, so tasks with the same data and pipeline share one token cache.
+
+    `mixing`: "step" (one task per optimizer step) or "row" (every batch stacks rows of the
+    tasks by their rates: a decoder's tasks of one shape, with one data.batch_size). `max_steps`:
+    the optimizer steps an mntp task's mask rate falls over.
     """
 
     def __init__(
@@ -94,6 +106,8 @@ class MixtureDataModule(RankedDataModule):
         rank: int | None = None,
         world_size: int | None = None,
         tokenizer_pipeline: str | None = None,
+        mixing: str = "step",
+        max_steps: int | None = None,
     ):
         super().__init__()
         if not tasks:
@@ -106,12 +120,27 @@ class MixtureDataModule(RankedDataModule):
                     f"tasks.{task.name}: prefix_lm on model.arch={arch} needs pipeline "
                     f"{PREFIX_PIPELINES.get(arch)!r}, got {task.pipeline!r}"
                 )
+            if task.objective == "mntp" and (arch, task.pipeline) != ("decoder", "clm"):
+                raise DataError(
+                    f"tasks.{task.name}: mntp needs model.arch=decoder and pipeline 'clm', "
+                    f"got {arch} and {task.pipeline!r}"
+                )
+            if mixing == "row" and (arch != "decoder" or task.objective not in ROW_OBJECTIVES):
+                raise DataError(
+                    f"tasks.{task.name}: mixture.mixing=row stacks rows of {list(ROW_OBJECTIVES)} tasks of a "
+                    f"decoder, not {task.objective} on model.arch={arch}; use mixture.mixing=step"
+                )
             if task.mode_token is not None and task.mode_token not in tokenizer.extra_special_tokens:
                 raise DataError(
                     f"tasks.{task.name}.mode_token={task.mode_token!r} is not in "
                     f"tokenizer.extra_special_tokens={list(tokenizer.extra_special_tokens)}"
                 )
-        self.tasks, self.arch = list(tasks), arch
+        if mixing not in MIXINGS:
+            raise DataError(f"mixture.mixing={mixing!r} is not one of {list(MIXINGS)}")
+        if mixing == "row" and len({t.data.batch_size for t in tasks}) > 1:
+            sizes = {t.name: t.data.batch_size for t in tasks}
+            raise DataError(f"mixture.mixing=row shares one data.batch_size among the tasks' rows, got {sizes}")
+        self.tasks, self.arch, self.mixing, self.max_steps = list(tasks), arch, mixing, max_steps
         self.tokenizer_cfg, self.tokenizer_data = tokenizer, tokenizer_data
         self.rate_options = dict(
             method=rates, weights=None if weights is None else list(weights), cap=cap, temperature=temperature
@@ -131,7 +160,7 @@ class MixtureDataModule(RankedDataModule):
         self._saved_layout: dict | None = None  # the layout a resumed position was counted on
         self._origins = [(0, 0, 0)] * len(self.tasks)  # per task, where its count started (sampler.cursor)
         self.carried: tuple[int, int] | None = None  # (saved, carried) micro-batches of a resume on another layout
-        self._task_batches = [0] * len(self.tasks)  # of which each task's
+        self._task_batches = [0] * len(self.tasks)  # of which each task's (mixing="row": its rows)
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -150,12 +179,16 @@ class MixtureDataModule(RankedDataModule):
             self._write_run_files()
         for t, (task, dm) in enumerate(zip(self.tasks, self._task_modules())):
             dm.setup(stage)  # sets dm.collator to its pipeline's own collator
-            base = dm.collator
-            if task.objective == "prefix_lm":
-                prefix = DecoderPrefixCollator if self.arch == "decoder" else EncoderDecoderPrefixCollator
-                base = prefix(dm.special_tokens, task.prefix_fraction)
-            mode = self._mode_ids[task.mode_token] if task.mode_token is not None else None
-            dm.collator = TaskCollator(base, task=t, objective=task.objective, arch=self.arch, mode_token_id=mode)
+            dm.collator = task_collator(
+                task,
+                t,
+                arch=self.arch,
+                base=dm.collator,
+                special=dm.special_tokens,
+                vocab_size=dm.vocab_size,
+                mode_token_id=self._mode_ids[task.mode_token] if task.mode_token is not None else None,
+                max_steps=self.max_steps,
+            )
         self._rates = mixture_rates(self.train_sizes, **self.rate_options)
         if self.trainer is not None:  # Lightning's setup hook: every rank compares what it read
             joined = hashlib.sha256(" ".join(dm.fingerprint() for dm in self._task_modules()).encode()).hexdigest()
@@ -164,11 +197,12 @@ class MixtureDataModule(RankedDataModule):
     def train_dataloader(self) -> DataLoader:
         modules = self._ready()
         samplers = []
+        sizes = self._batch_sizes()
         for t, (task, dm) in enumerate(zip(self.tasks, modules)):
             n = len(self._train_examples(t))
             sampler = ResumableBatchSampler(
                 n,
-                task.data.batch_size,
+                sizes[t],
                 seed=self.seed + t,
                 shuffle=task.data.shuffle,
                 drop_last=True,
@@ -178,13 +212,20 @@ class MixtureDataModule(RankedDataModule):
             if self.rates[t] > 0 and len(sampler) == 0:
                 raise DataError(
                     f"tasks.{task.name}: {n} training examples make no full batch of "
-                    f"data.batch_size={task.data.batch_size} on each of {self.world_size} ranks"
+                    f"{sizes[t]} examples on each of {self.world_size} ranks"
                 )
             samplers.append(sampler)
-        self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
-        dataset = _MixtureBatches(
-            [self._train_examples(t) for t in range(len(modules))], [dm.collator for dm in modules], self.seed
-        )
+        examples = [self._train_examples(t) for t in range(len(modules))]
+        collators = [dm.collator for dm in modules]
+        if self.mixing == "row":
+            rows = self.tasks[0].data.batch_size
+            self._sampler = RowMixtureBatchSampler(
+                samplers, self.rates, batch_size=rows, seed=self.seed, accumulate=self.accumulate
+            )
+            dataset = RowMixtureBatches(examples, collators, self.seed)
+        else:
+            self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
+            dataset = _MixtureBatches(examples, collators, self.seed)
         return EpochLoader(
             dataset,
             sampler=self._sampler,
@@ -246,7 +287,11 @@ class MixtureDataModule(RankedDataModule):
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is None or self.trainer.training:
             self._micro += 1
-            self._task_batches[batch["task"]] += 1
+            if "row_task" in batch:  # mixing="row": each task's rows
+                for t, rows in enumerate(torch.bincount(batch["row_task"], minlength=len(self.tasks)).tolist()):
+                    self._task_batches[t] += rows
+            else:
+                self._task_batches[batch["task"]] += 1
         return batch
 
     # ------------------------------------------------------------------ what training needs
@@ -380,8 +425,12 @@ class MixtureDataModule(RankedDataModule):
 
     def _layout(self) -> dict:
         """How this run cuts its data into optimizer steps (MIXTURE_LAYOUT_KEYS)."""
-        batch_sizes = [task.data.batch_size for task in self.tasks]
+        batch_sizes = [task.data.batch_size for task in self.tasks]  # examples per micro-batch (row: of all tasks)
         return dict(world_size=self.world_size, batch_sizes=batch_sizes, accumulate=self.accumulate)
+
+    def _batch_sizes(self) -> list[int]:
+        """Examples per batch of each task's sampler: its data.batch_size, or one row (mixing="row")."""
+        return [1 if self.mixing == "row" else task.data.batch_size for task in self.tasks]
 
     def _carry(self, saved: dict) -> None:
         """The resumed position, counted on the `saved` layout, as this layout's (module docstring)."""
@@ -393,14 +442,14 @@ class MixtureDataModule(RankedDataModule):
                 f"the checkpoint stopped after {micro} micro-batches on each of {world} ranks, inside an optimizer "
                 f"step of trainer.accumulate_grad_batches={accumulate}; resume it on that layout"
             )
-        # each task goes on from the position its global micro-batches reached, in steps of this layout
+        # each task goes on from the position its global micro-batches reached, in steps of this layout;
+        # with mixing="row" a task's count is rows, each the next position on every rank
+        steps = [1] * len(self.tasks) if self.mixing == "row" else saved["batch_sizes"]
         self._origins = [
             (count, *cursor(count, origin, sampler.num_examples, size * world))
             if sampler.num_examples >= size * world
             else origin  # no whole micro-batch: never drawn
-            for sampler, count, origin, size in zip(
-                self._sampler.samplers, self._task_batches, self._origins, saved["batch_sizes"]
-            )
+            for sampler, count, origin, size in zip(self._sampler.samplers, self._task_batches, self._origins, steps)
         ]
         self.carried = (micro, micro // accumulate * self.accumulate)  # training.checkpoints.ResumeCounters
         self._micro = self.carried[1]

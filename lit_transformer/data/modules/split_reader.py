@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from lit_transformer.data.batches.collate import example_generators
 from lit_transformer.data.batches.collator_for import make_collator
-from lit_transformer.data.batches.prefix import DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
+from lit_transformer.data.batches.prefix import task_collator
 from lit_transformer.data.batches.sampler import ResumableBatchSampler
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.data_plan import DataPlan
@@ -152,7 +152,8 @@ class SplitReader:
 
 class MixtureSplitReader:
     """`split` of every task of a mixture that has one: task t's reader is seeded seed + t and
-    collates as the mixture's task t (its prefix collator, its mode token in front)."""
+    collates as the mixture's task t (prefix.task_collator: its prefix or mntp collator, its mode
+    token in front)."""
 
     def __init__(self, plan: DataPlan, split: str, *, max_examples: int | None = None):
         arch = plan.mixture.arch
@@ -165,12 +166,16 @@ class MixtureSplitReader:
             modes = check_extra_special_tokens(
                 reader.tokenizer, plan.tokenizer.extra_special_tokens, plan.tokenizer.path
             )
-            base = reader.collator
-            if task.objective == "prefix_lm":
-                prefix = DecoderPrefixCollator if arch == "decoder" else EncoderDecoderPrefixCollator
-                base = prefix(reader.special_tokens, task.prefix_fraction)
-            mode = modes[task.mode_token] if task.mode_token is not None else None
-            reader.collator = TaskCollator(base, task=t, objective=task.objective, arch=arch, mode_token_id=mode)
+            reader.collator = task_collator(
+                task,
+                t,
+                arch=arch,
+                base=reader.collator,
+                special=reader.special_tokens,
+                vocab_size=reader.tokenizer.get_vocab_size(with_added_tokens=True),
+                mode_token_id=modes[task.mode_token] if task.mode_token is not None else None,
+                max_steps=plan.mixture.max_steps,
+            )
             self.readers.append(reader)
 
     @property
