@@ -20,6 +20,11 @@ input starts with it, where data/batches/prefix.py's TaskCollator put it in trai
 separator (inside a prefix LM's prefix), first in an encoder-decoder's source; left truncation
 keeps it and cuts the context after it.
 
+`scoring: masked` (an encoder's default; a decoder that trained masked prediction may ask for it)
+scores a choice by its pseudo-log-likelihood instead (masked_scoring.py): each of its tokens masked
+in turn, the context and the rest of the choice in view, the text between two separators as a
+packed document is. acc, acc_norm and acc_bytes compare those scores as they compare causal ones.
+
 `loglikelihoods` and `rolling_loglikelihoods` are also the harness adapter's (harness.py), so a
 task run through lm-eval and the same rows run here score alike.
 
@@ -28,19 +33,20 @@ Shape legend: B rows in a batch, T input length, S source length, N scored posit
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lit_transformer.data.batches.collate import pad
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.embedded_choice import embedded_rows
-from lit_transformer.evaluation.eval_target import EvalTarget
+from lit_transformer.evaluation.eval_target import EvalTarget, eval_mode
+from lit_transformer.evaluation.masked_scoring import Scoring, pseudo_loglikelihoods, resolve_scoring
 from lit_transformer.recipe.eval_schema import EvalConfig
 
 BATCH_SIZE = 32  # rows (context, choice) per forward: four-choice questions eight at a time
@@ -81,30 +87,12 @@ def encode_pair(tokenizer, context: str, continuation: str, *, causal: bool = Tr
     return encode(context), encode(continuation)
 
 
-def _autocast(target: EvalTarget):
-    if target.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(target.device.type, dtype=target.autocast_dtype)
-
-
 def _check_scorable(target: EvalTarget, what: str) -> None:
     if target.arch == "encoder":
         raise RunError(
             f"{what} scores a continuation by log-likelihood; an encoder model cannot "
             "(it predicts masked tokens, not the next one): use a decoder or an encoder-decoder"
         )
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    """Dropout off while scoring; the caller's mode back afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -136,6 +124,48 @@ def loglikelihoods(
         ctx, cont = encode_pair(target.tokenizer, context, continuation, causal=False)
         pairs.append((mode + ctx + ([end] if end is not None else []), cont))
     return score_encoder_decoder(target, pairs, batch_size=batch_size, keep=len(mode))
+
+
+def masked_loglikelihoods(
+    target: EvalTarget,
+    requests: Sequence[tuple[str, str]],
+    *,
+    read: int,
+    batch_size: int = BATCH_SIZE,
+    mode_token_id: int | None = None,
+) -> list[float]:
+    """For each (context, continuation): the pseudo-log-likelihood of the continuation's tokens
+    (masked_scoring.py), each masked in turn with the context and the rest of the continuation in
+    view. The text is read as a packed document is in training, between two separators (after the
+    mode token, where there is one), tokenised as a decoder's pair (encode_pair, causal=True: one
+    text); a text longer than the model keeps its last tokens, as loglikelihoods does."""
+    sep = _lead(target)
+    mode = [mode_token_id] if mode_token_id is not None else []
+    room = target.model.config.max_seq_len - len(mode) - 2 * len(sep)
+    items = []
+    for context, continuation in requests:
+        ctx, cont = encode_pair(target.tokenizer, context, continuation, causal=True)
+        body = (ctx + cont)[-room:]
+        ids = mode + sep + body + sep
+        end = len(ids) - len(sep)
+        items.append((ids, range(end - min(len(cont), len(body)), end)))
+    return pseudo_loglikelihoods(target, items, read=read, batch_size=batch_size)
+
+
+def continuation_scores(
+    target: EvalTarget,
+    requests: Sequence[tuple[str, str]],
+    scoring: Scoring,
+    *,
+    batch_size: int = BATCH_SIZE,
+    mode_token_id: int | None = None,
+) -> list[float]:
+    """Each continuation's log-likelihood given its context, causal or masked as `scoring` says."""
+    if scoring.kind == "masked":
+        return masked_loglikelihoods(
+            target, requests, read=scoring.read, batch_size=batch_size, mode_token_id=mode_token_id
+        )
+    return [score for score, _ in loglikelihoods(target, requests, batch_size=batch_size, mode_token_id=mode_token_id)]
 
 
 class ModeToken:
@@ -189,7 +219,7 @@ def score_decoder(
         scored.append(min(len(cont), len(window) - 1))
     out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation: nothing to score
     order = sorted((i for i in range(len(pairs)) if scored[i] > 0), key=lambda i: -len(windows[i]))
-    with _eval_mode(model), _autocast(target):
+    with eval_mode(model), target.autocast():
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
             inputs = [windows[i][:-1] for i in rows]
@@ -225,7 +255,7 @@ def score_encoder_decoder(
     conts = [cont[-L:] for _, cont in pairs]
     out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
     order = sorted((i for i in range(len(pairs)) if conts[i]), key=lambda i: -(len(sources[i]) + len(conts[i])))
-    with _eval_mode(model), _autocast(target):
+    with eval_mode(model), target.autocast():
         for start in range(0, len(order), batch_size):
             rows = order[start : start + batch_size]
             src = [sources[i] for i in rows]
@@ -313,18 +343,13 @@ class ChoiceEval:
         self.mode_token = ModeToken(self.entry)
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
-        where = f"eval.{self.entry.name}"
-        if target.arch == "encoder":
-            raise RunError(
-                f"{where}: choice scores a continuation by log-likelihood; an encoder model cannot "
-                "(it predicts masked tokens, not the next one): use a classify evaluation"
-            )
+        scoring = resolve_scoring(self.entry, target.arch, target.cfg)
         requests = [(row.context, choice) for row in self.rows for choice in row.choices]
         mode = self.mode_token.id(target.tokenizer)
-        scores = iter(loglikelihoods(target, requests, batch_size=self.batch_size, mode_token_id=mode))
+        scores = iter(continuation_scores(target, requests, scoring, batch_size=self.batch_size, mode_token_id=mode))
         acc = acc_norm = acc_bytes = 0
         for row in self.rows:
-            lls = [next(scores)[0] for _ in row.choices]
+            lls = [next(scores) for _ in row.choices]
             acc += first_argmax(lls) == row.label
             acc_norm += first_argmax([ll / len(c) for ll, c in zip(lls, row.choices)]) == row.label
             acc_bytes += first_argmax([ll / len(c.encode()) for ll, c in zip(lls, row.choices)]) == row.label
@@ -353,9 +378,19 @@ def build(entry: EvalConfig, cfg) -> ChoiceEval:
 
 
 def read_rows(entry: EvalConfig) -> list[ChoiceRow]:
-    key = f"eval.{entry.name}.files"
     rows: list[ChoiceRow] = []
-    for path in _paths(entry.files, key):
+    for where, n, raw in jsonl_rows(entry):
+        rows.append(check_row(raw, where, n))
+        if entry.max_examples is not None and len(rows) >= entry.max_examples:
+            break
+    return rows
+
+
+def jsonl_rows(entry: EvalConfig) -> Iterator[tuple[str, int, Any]]:
+    """(where: `eval.<name>.files: <path>`, line number, the parsed line) for every non-blank line
+    of the entry's jsonl files in order; a line that is not JSON is a one-line RunError."""
+    key = f"eval.{entry.name}.files"
+    for path in input_paths(entry.files, key):
         with open(path, encoding="utf-8", errors="replace") as file:
             for n, line in enumerate(file, 1):
                 if not line.strip():
@@ -364,13 +399,11 @@ def read_rows(entry: EvalConfig) -> list[ChoiceRow]:
                     raw = json.loads(line)
                 except ValueError as error:
                     raise RunError(f"{key}: {path} line {n} is not JSON ({error})") from None
-                rows.append(check_row(raw, f"{key}: {path}", n))
-                if entry.max_examples is not None and len(rows) >= entry.max_examples:
-                    return rows
-    return rows
+                yield f"{key}: {path}", n, raw
 
 
-def _paths(specs: list[str], key: str) -> list[Path]:
+def input_paths(specs: list[str], key: str) -> list[Path]:
+    """The files an entry names (globs expanded, in order), or a one-line RunError naming `key`."""
     out: list[Path] = []
     for spec in specs:
         if glob.has_magic(spec):

@@ -277,7 +277,7 @@ class ClassifyProbe:
             head.train()
             for index in shuffled_batches(len(train), batch_size, self.entry.steps, shuffle):
                 batch = _to(collate([train[i] for i in index]), device)
-                with autocast(target):
+                with target.autocast():
                     hidden = hidden_states(backbone, batch, target.bidirectional)  # (B, T, C)
                     logits = head(hidden, batch["attention_mask"])  # (B, K)
                 loss = F.cross_entropy(logits.float(), batch["labels"])
@@ -291,7 +291,7 @@ class ClassifyProbe:
             with torch.no_grad():
                 for index, batch in length_batches(dev, self.eval_batch_size, collate):
                     batch = _to(batch, device)
-                    with autocast(target):
+                    with target.autocast():
                         logits = head(hidden_states(backbone, batch, target.bidirectional), batch["attention_mask"])
                     predicted[index] = logits.float().argmax(-1).cpu()
         return predicted
@@ -350,7 +350,7 @@ def features(
     out = torch.zeros(len(examples), transformer.config.d_model, dtype=torch.float64)
     for index, batch in length_batches(examples, batch_size, collate):
         batch = _to(batch, target.device)
-        with autocast(target):
+        with target.autocast():
             hidden = hidden_states(transformer, batch, target.bidirectional)  # (B, T, C)
         out[index] = pool(hidden, batch["attention_mask"], pooling).double().cpu()
     return out
@@ -423,12 +423,6 @@ def shuffled_batches(n: int, batch_size: int, steps: int, generator: torch.Gener
             pending += torch.randperm(n, generator=generator).tolist()
         yield pending[:batch_size]
         pending = pending[batch_size:]
-
-
-def autocast(target: EvalTarget):
-    """The run's autocast (bf16-mixed), or none."""
-    dtype = target.autocast_dtype
-    return torch.autocast(target.device.type, dtype=dtype, enabled=dtype is not None)
 
 
 @contextlib.contextmanager

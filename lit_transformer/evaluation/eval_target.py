@@ -1,7 +1,7 @@
 """What every named evaluation shares: the model it reads (`EvalTarget`) and the shape of an
-evaluation (`Evaluation`). Each kind (heldout.py, classify.py, choice.py, translate.py) has a
-`build(entry, cfg)` that reads and checks its data once, before training starts, and returns an
-Evaluation; calling it on a target returns its metrics by bare name (`accuracy`, `bleu`).
+evaluation (`Evaluation`). Each kind (heldout.py, classify.py, choice.py, pairs.py, translate.py)
+has a `build(entry, cfg)` that reads and checks its data once, before training starts, and returns
+an Evaluation; calling it on a target returns its metrics by bare name (`accuracy`, `bleu`).
 suite.py prefixes them `eval/<name>/` and times them.
 
 An evaluation must leave training as it found it: no change to weights, optimizer state,
@@ -11,6 +11,8 @@ the mode around every evaluation; a kind that trains, the finetune probe, trains
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +54,25 @@ class EvalTarget:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def autocast(self):
+        """The run's autocast (bf16-mixed) on the model's device, or none: evaluations compute as
+        the run trains."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Dropout off and no gradients while scoring; the caller's mode back afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
 
 
 class Evaluation(Protocol):

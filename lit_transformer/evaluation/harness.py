@@ -14,7 +14,6 @@ inside functions only, so that the package imports without it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 from collections.abc import Sequence
@@ -76,7 +75,7 @@ def generate_texts(
                 notes=ContextNotes(),
                 bidirectional_prompt=target.prefix_lm,
             )
-            with _autocast(target):
+            with target.autocast():
                 texts = generator([requests[n][0] for n in rows])
             for n, text in zip(rows, texts):
                 out[n] = cut_at(text, _until(requests[n][1]))
@@ -104,12 +103,6 @@ def _decoding(kwargs: dict) -> Decoding:
         top_k=kwargs.get("top_k") if sample else None,
         top_p=kwargs.get("top_p") if sample else None,
     )
-
-
-def _autocast(target: EvalTarget):
-    if target.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(target.device.type, dtype=target.autocast_dtype)
 
 
 @functools.cache

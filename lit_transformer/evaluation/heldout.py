@@ -13,19 +13,31 @@ so a call only collates and runs the model. A mixture reports every task's metri
 max_examples caps the evaluation rows (the packed blocks of data.block_size tokens, or a
 seq2seq task's examples), in whole evaluation batches of data.eval_batch_size rows (per task):
 it counts what is computed, where a cap on documents would leave the cost to their lengths.
+
+`scoring: masked` reports the set's pseudo-log-likelihood instead (Salazar et al. 2020; for an
+encoder, or a decoder that trained masked prediction: masked_scoring.py): the same split packed in
+plain blocks of data.block_size tokens (masked LM's), every token but the separators masked in
+turn, as `pll_per_token` (nats, the mean over the scored tokens), `pseudo_perplexity` (its exp of
+minus) and `tokens`. It is no perplexity: each token sees the whole block but itself, so it is
+lower than a causal perplexity of the same text and the two do not compare. A block of T tokens
+costs T rows of the model's forward pass, so cap it with max_examples. A mixture reads the
+entry's `task`, else its first task that trained masked prediction (its data, its mode token).
+`scoring: causal` is the objective's own metrics, refused on an encoder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from lit_transformer.errors import RunError, closest
 from lit_transformer.evaluation.eval_target import EvalTarget
+from lit_transformer.evaluation.masked_scoring import masked_tasks, pseudo_loglikelihoods, resolve_scoring
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.training.rundir import LABELS_JSON
@@ -93,46 +105,65 @@ def run_labels(cfg: RunConfig) -> list | None:
     return json.loads(path.read_text()).get("labels") if path.is_file() else None
 
 
+def _checked(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
+    """heldout_config(entry, cfg) after the checks every heldout entry gets: the tokenizer, the task."""
+    where = f"eval.{entry.name}"
+    if cfg.tokenizer.path is None:
+        raise RunError(f"{where}: heldout reads the run's tokenizer.json; tokenizer.path is not set")
+    names = [t.name for t in cfg.tasks]
+    if entry.task is not None and not names:
+        raise RunError(f"{where}.task={entry.task}: a {cfg.objective.name} run is one objective, not a mixture")
+    if entry.task is not None and entry.task not in names:
+        raise RunError(f"{where}.task={entry.task}: the mixture's tasks are {names}{closest(entry.task, names)}")
+    return heldout_config(entry, cfg)
+
+
+def _read(entry: EvalConfig, data_format: str, read: Callable[[], Any]) -> Any:
+    """read(): the split's reader, with the entry's files checked first (named by the entry's key,
+    not by a data key) and a DataError or a missing split as one-line RunErrors."""
+    from lit_transformer.data.sources.files import resolve_files
+    from lit_transformer.errors import DataError
+
+    where = f"eval.{entry.name}"
+    try:
+        for key in ("files", "target_files"):
+            if getattr(entry, key):
+                resolve_files(getattr(entry, key), f"{where}.{key}", data_format)
+        data = read()
+    except DataError as error:
+        raise RunError(f"{where}: {error}") from None
+    if not data.has_split:
+        split = entry.split or "validation"
+        named = " (the recipe names no data.test_files)" if split == "test" else ""
+        raise RunError(f"{where}: the run's data has no {split} split{named}")
+    return data
+
+
 class Heldout:
     """A named set, tokenised and packed once; calling it computes the module's metrics."""
 
     def __init__(self, entry: EvalConfig, cfg: RunConfig):
         from lit_transformer.data.modules.split_reader import read_split
-        from lit_transformer.data.sources.files import resolve_files
-        from lit_transformer.errors import DataError
         from lit_transformer.recipe.tasks import data_plan
 
         self.entry = entry
         self.split = entry.split or "validation"
-        self.cfg = heldout_config(entry, cfg)
-        where = f"eval.{entry.name}"
-        if self.cfg.tokenizer.path is None:
-            raise RunError(f"{where}: heldout reads the run's tokenizer.json; tokenizer.path is not set")
-        names = [t.name for t in cfg.tasks]
-        if entry.task is not None and not names:
-            raise RunError(f"{where}.task={entry.task}: a {cfg.objective.name} run is one objective, not a mixture")
-        if entry.task is not None and entry.task not in names:
-            raise RunError(f"{where}.task={entry.task}: the mixture's tasks are {names}{closest(entry.task, names)}")
+        self.cfg = _checked(entry, cfg)
         # the model's labels: the run's own split is numbered by them, as training numbered it
         self.labels = run_labels(self.cfg)
         # Every rank reads the whole set as one process would (the reader knows no ranks): left to
         # torch.distributed, each rank took every other row and max_examples rows of its own. The
         # objective's metrics still sum over the ranks: identical sums leave their ratios unchanged.
-        try:
-            for key in ("files", "target_files"):  # named by the entry's key, not by a data key
-                if getattr(entry, key):
-                    resolve_files(getattr(entry, key), f"{where}.{key}", self.cfg.data.format)
-            self.data = read_split(
+        self.data = _read(
+            entry,
+            self.cfg.data.format,
+            lambda: read_split(
                 data_plan(self.cfg),
                 self.split,
                 label_names=self.labels if entry.split is not None else None,
                 max_examples=entry.max_examples,
-            )
-        except DataError as error:
-            raise RunError(f"{where}: {error}") from None
-        if not self.data.has_split:
-            named = " (the recipe names no data.test_files)" if self.split == "test" else ""
-            raise RunError(f"{where}: the run's data has no {self.split} split{named}")
+            ),
+        )
 
     def __call__(self, target: EvalTarget) -> dict[str, float]:
         from lit_transformer.objectives import evaluate_batches
@@ -168,6 +199,56 @@ def measured_on(module: Any, data: Any, split: str) -> Iterator[None]:
             setattr(module, name, value)
 
 
-def build(entry: EvalConfig, cfg: RunConfig) -> Heldout:
+class MaskedHeldout:
+    """A named set in plain blocks, read once; calling it computes its pseudo-log-likelihood."""
+
+    def __init__(self, entry: EvalConfig, cfg: RunConfig):
+        from lit_transformer.data.modules.split_reader import SplitReader
+        from lit_transformer.recipe.tasks import task_data
+
+        self.entry = entry
+        self.cfg = _checked(entry, cfg)
+        self.read = resolve_scoring(entry, cfg.model.arch, cfg).read
+        task = masked_tasks(self.cfg) if entry.task is None else [t for t in self.cfg.tasks if t.name == entry.task]
+        data = task_data(self.cfg, task[0]) if task else self.cfg.data
+        self.mode_token = task[0].mode_token if task else None
+        self.rows = data.eval_batch_size or data.batch_size
+        # masked LM's blocks (T tokens, stride T: pack.py), handed over as they are stored: the
+        # collator's masking is this evaluation's to do, one token a row
+        seed = self.cfg.trainer.seed
+        self.data = _read(
+            entry,
+            data.format,
+            lambda: SplitReader(
+                data, self.cfg.tokenizer, "mlm", entry.split or "validation", seed=seed, max_examples=entry.max_examples
+            ),
+        )
+        self.data.collator = lambda blocks, generators=None: [[int(t) for t in block] for block in blocks]
+
+    def __call__(self, target: EvalTarget) -> dict[str, float]:
+        never = target.special.never_masked()
+        lead = []
+        if self.mode_token is not None:  # where TaskCollator put it: first, never masked
+            lead = [target.tokenizer.token_to_id(self.mode_token)]
+        items = []
+        for blocks in self.data.batches():
+            for block in blocks:
+                ids = lead + block
+                # separators are never masked in training; the first token has nothing before it to read at
+                positions = [p for p in range(len(lead), len(ids)) if p >= self.read and ids[p] not in never]
+                items.append((ids, positions))
+        total = sum(pseudo_loglikelihoods(target, items, read=self.read, batch_size=self.rows))
+        tokens = sum(len(positions) for _, positions in items)
+        if tokens == 0:
+            raise RunError(f"eval.{self.entry.name}: the set holds no token to score")
+        per_token = total / tokens
+        return {"pll_per_token": per_token, "pseudo_perplexity": math.exp(-per_token), "tokens": float(tokens)}
+
+
+def build(entry: EvalConfig, cfg: RunConfig) -> Heldout | MaskedHeldout:
     """The heldout evaluation of `entry` for a run of `cfg` (cfg.tokenizer.path: the run's tokenizer)."""
+    if entry.scoring == "masked":
+        return MaskedHeldout(entry, cfg)
+    if entry.scoring == "causal":
+        resolve_scoring(entry, cfg.model.arch, cfg)  # an encoder has no causal scores
     return Heldout(entry, cfg)

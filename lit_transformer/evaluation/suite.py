@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from lit_transformer.evaluation import choice, classify, heldout, translate
+from lit_transformer.evaluation import choice, classify, heldout, pairs, translate
 from lit_transformer.evaluation.eval_target import EvalTarget, Evaluation
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
@@ -27,6 +27,7 @@ KINDS: dict[str, Callable[[EvalConfig, RunConfig], Evaluation]] = {
     "heldout": heldout.build,
     "classify": classify.build,
     "choice": choice.build,
+    "pairs": pairs.build,
     "translate": translate.build,
 }
 
@@ -53,7 +54,7 @@ def run_suite(
             continue
         name = evaluation.entry.name
         began = time.perf_counter()
-        with untouched(target), torch.no_grad(), _autocast(target):
+        with untouched(target), torch.no_grad(), target.autocast():
             metrics = evaluation(target)
         out.update({f"eval/{name}/{metric}": float(value) for metric, value in metrics.items()})
         out[f"eval/{name}/seconds"] = time.perf_counter() - began
@@ -75,12 +76,6 @@ def untouched(target: EvalTarget) -> Iterator[None]:
         _set_rng_state(streams)
         for module, training in modes:
             module.training = training  # per module: a frozen submodule stays in eval mode
-
-
-def _autocast(target: EvalTarget):
-    if target.autocast_dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=target.device.type, dtype=target.autocast_dtype)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -19,9 +19,14 @@ from lit_transformer.recipe.entries import build_entry, list_entries
 
 # heldout: loss / perplexity / bits per byte on a named text set; classify: a probe on a labelled
 # train and dev file; choice: zero-shot multiple choice by log-likelihood (the lm-evaluation-
-# harness's acc and acc_norm); translate: BLEU and chrF of decoded source sentences
-EvalKind = Literal["heldout", "classify", "choice", "translate"]
+# harness's acc and acc_norm); pairs: minimal pairs (BLiMP), the good sentence more likely than the
+# bad one; translate: BLEU and chrF of decoded source sentences
+EvalKind = Literal["heldout", "classify", "choice", "pairs", "translate"]
 EVAL_KINDS = typing.get_args(EvalKind)
+# how choice, pairs and heldout score text: causal (next-token log-probabilities) or masked
+# (pseudo-log-likelihood, evaluation/masked_scoring.py); null: the model's natural one
+Scoring = Literal["causal", "masked"]
+SCORINGS = typing.get_args(Scoring)
 # heldout, translate: the run's own split instead of files (what training logged as val/ or test/)
 Split = Literal["validation", "test"]
 SPLITS = typing.get_args(Split)
@@ -42,7 +47,7 @@ EMBEDDED_KIND = {
 
 # the keys each kind reads besides name, kind, every_n_steps, max_examples and embedded
 KIND_KEYS = {
-    "heldout": ("files", "target_files", "split", "task", "format", "text_format", "text_column"),
+    "heldout": ("files", "target_files", "split", "task", "format", "text_format", "text_column", "scoring"),
     "classify": (
         "files",
         "train_files",
@@ -56,7 +61,8 @@ KIND_KEYS = {
         "pooling",
         "mode_token",
     ),
-    "choice": ("files", "mode_token"),
+    "choice": ("files", "mode_token", "scoring"),
+    "pairs": ("files", "good_column", "bad_column", "group_column", "mode_token", "scoring"),
     "translate": ("files", "target_files", "split", "num_beams", "length_penalty", "max_new_tokens", "mode_token"),
 }
 COMMON_KEYS = ("name", "kind", "every_n_steps", "max_examples", "embedded")
@@ -73,7 +79,8 @@ class EvalConfig:
     split: Split | None = None  # heldout, translate: the run's own split instead of files
     task: str | None = None  # heldout of a mixture: only this task, under the single objective's names
     # heldout: text files or globs (any format data reads); classify: the labelled dev file(s);
-    # choice: jsonl rows {context, choices, label}; translate: source sentences, one per line
+    # choice: jsonl rows {context, choices, label}; pairs: jsonl rows of a good and a bad sentence
+    # (BLiMP's files); translate: source sentences, one per line
     files: list[str] = field(default_factory=list)
     train_files: list[str] = field(default_factory=list)  # classify: the probe's labelled training file(s)
     # translate (and heldout of a seq2seq run): reference sentences aligned line by line with files
@@ -92,7 +99,15 @@ class EvalConfig:
     num_beams: int | None = None
     length_penalty: float | None = None
     max_new_tokens: int | None = None
-    # classify, choice, translate: a special token of the run's tokenizer (a UL2 mixture's [NLU],
+    # pairs: the columns of a row's good and bad sentence (BLiMP's names), and of its group (BLiMP's
+    # UID: accuracy per group, and the mean over groups as BLiMP reports it); null: no groups
+    good_column: str = "sentence_good"
+    bad_column: str = "sentence_bad"
+    group_column: str | None = None
+    # choice, pairs, heldout: causal or masked (pseudo-log-likelihood); null: an encoder masked, a decoder
+    # and an encoder-decoder causal (heldout: the objective's own metrics)
+    scoring: Scoring | None = None
+    # classify, choice, pairs, translate: a special token of the run's tokenizer (a UL2 mixture's [NLU],
     # [NLG], [S2S]) put before every input where the mixture's TaskCollator puts it, so a model that
     # always read one is evaluated as it trained. heldout reads none: its rows go through the
     # objective's own collators, which put each task's token already
@@ -125,8 +140,10 @@ class EvalConfig:
             if self.files or self.train_files or self.target_files:
                 raise RecipeError(f"{where}: embedded={self.embedded!r} and files are both set: name one")
         elif not self.files:
-            other = " or split: the run's own" if "split" in KIND_KEYS[self.kind] else ""
-            raise RecipeError(f"{where}: a {self.kind} evaluation needs files (or embedded: a built-in set{other})")
+            other = ["embedded: a built-in set"] if self.kind in EMBEDDED_KIND.values() else []
+            other += ["split: the run's own"] if "split" in KIND_KEYS[self.kind] else []
+            alternatives = f" (or {' or '.join(other)})" if other else ""
+            raise RecipeError(f"{where}: a {self.kind} evaluation needs files{alternatives}")
         if self.embedded is None and "train_files" in KIND_KEYS[self.kind] and not self.train_files:
             raise RecipeError(f"{where}.train_files: a {self.kind} probe needs labelled training files")
         if self.kind == "heldout" and self.target_files and len(self.target_files) != len(self.files):
@@ -147,6 +164,14 @@ class EvalConfig:
             raise RecipeError(f"{where}.lr={self.lr!r} must be positive")
         if self.mode_token is not None and (not isinstance(self.mode_token, str) or not self.mode_token.strip()):
             raise RecipeError(f"{where}.mode_token={self.mode_token!r} must be a token, e.g. [NLU]")
+        if self.scoring is not None and self.scoring not in SCORINGS:
+            raise RecipeError(f"{where}.scoring={self.scoring!r} is not one of {list(SCORINGS)}")
+        columns = {"good_column": self.good_column, "bad_column": self.bad_column, "group_column": self.group_column}
+        for key, value in columns.items():
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise RecipeError(f"{where}.{key}={value!r} must be a column name")
+        if self.good_column == self.bad_column:
+            raise RecipeError(f"{where}: good_column and bad_column are both {self.good_column!r}; name two columns")
         if self.pooling is not None and self.pooling not in ("first", "mean", "last"):
             raise RecipeError(f"{where}.pooling={self.pooling!r} is not one of first, mean, last")
 

@@ -1,7 +1,7 @@
 """The `choice` evaluation kind (evaluation/choice.py): log-likelihoods equal a direct forward of
 the model (decoder, prefix-LM decoder, encoder-decoder, truncated contexts, a mode token first), a
 model trained on the right answers scores far above chance where random weights do not, the
-embedded sets, and the one-line errors for an encoder, an unknown mode token and bad rows. The
+embedded sets, and the one-line errors for an encoder scored causally, an unknown mode token and bad rows. The
 harness's side is test_eval_harness.py."""
 
 from __future__ import annotations
@@ -178,12 +178,14 @@ def test_choice_entry_reads_its_mode_token_and_refuses_an_unknown_one(mode_token
         assert str(e.value) == f"eval.q.mode_token={token}: not a special token of the run's tokenizer"
 
 
-def test_an_encoder_is_refused_in_one_line(tokenizer, tmp_path):
+def test_an_encoder_asked_for_causal_scoring_is_refused_in_one_line(tokenizer, tmp_path):
+    """By default an encoder is scored masked (test_eval_masked.py); causally it has no scores."""
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"context": "a", "choices": ["b", "c"], "label": 0}) + "\n")
-    evaluation = choice.build(EvalConfig(name="quiz", kind="choice", files=[str(path)]), RunConfig())
+    entry = EvalConfig(name="quiz", kind="choice", files=[str(path)], scoring="causal")
+    evaluation = choice.build(entry, RunConfig())
     target = target_for(model_for(tokenizer, "encoder"), tokenizer)
-    with pytest.raises(RunError, match=r"^eval\.quiz: choice scores a continuation by log-likelihood; an encoder") as e:
+    with pytest.raises(RunError, match=r"^eval\.quiz\.scoring=causal: an encoder predicts masked tokens") as e:
         evaluation(target)
     assert "\n" not in str(e.value)
 

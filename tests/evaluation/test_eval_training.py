@@ -10,6 +10,7 @@ a sampling decoder or a shuffled probe would): run_suite must give the streams b
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -28,20 +29,33 @@ from lit_transformer.training.rundir import read_metrics
 
 pytestmark = pytest.mark.slow
 
-# one entry of each kind that reads the embedded data; small, so the test stays tiny
+# one entry of each kind that reads the embedded data, and minimal pairs from a file (PAIRS) scored
+# both ways, as the mixture trained both (its mlm task); small, so the test stays tiny
 SUITE = """
 eval:
   - {name: text, kind: heldout, embedded: stdlib_text, max_examples: 8}
   - {name: docstrings, kind: classify, embedded: docstring_package, max_examples: 48}
   - {name: next_line, kind: choice, embedded: next_line, max_examples: 12}
   - {name: names, kind: choice, embedded: docstring_function, max_examples: 12, every_n_steps: 10}
+  - {name: grammar, kind: pairs, files: PAIRS, group_column: UID}
+  - {name: grammar_masked, kind: pairs, files: PAIRS, scoring: masked}
+  - {name: pll, kind: heldout, embedded: stdlib_text, scoring: masked, max_examples: 2}
 """
-EVAL_NAMES = ("text", "docstrings", "next_line", "names")
+EVAL_NAMES = ("text", "docstrings", "next_line", "names", "grammar", "grammar_masked", "pll")
+PAIRS = [
+    ("def load(path):", "def (path) load:", "def"),
+    ("return self.value", "self return .value", "return"),
+    ("for item in items:", "for in item items:", "for"),
+    ("import os", "os import", "import"),
+]
 
 
 def unilm_run(tmp_path: Path, name: str, with_eval: bool) -> Path:
     recipe = tmp_path / f"{name}.yaml"
-    recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n" + (SUITE if with_eval else ""))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"sentence_good": g, "sentence_bad": b, "UID": u}) + "\n" for g, b, u in PAIRS))
+    suite_text = SUITE.replace("PAIRS", str(pairs))
+    recipe.write_text(f"extends: {RECIPES / 'tiny-unilm.yaml'}\n" + (suite_text if with_eval else ""))
     run_dir = tmp_path / name
     small = [a for a in SMALL if a != "eval=[]"] if with_eval else SMALL  # SMALL turns the recipes' own off
     overrides = [*small, "tokenizer.vocab_size=400", "model.dropout=0.1", "trainer.keep_checkpoints=2"]
@@ -88,11 +102,14 @@ def test_evaluations_are_logged_at_each_validation_and_saved_at_the_end(runs):
     rows = read_metrics(evaluated)
     steps = {name: sorted(int(r["step"]) for r in rows if f"eval/{name}/seconds" in r) for name in EVAL_NAMES}
     # the initial weights (step 0), then SMALL's validations at steps 5 and 10; `names` every 10 steps only
-    assert steps == {"text": [0, 5, 10], "docstrings": [0, 5, 10], "next_line": [0, 5, 10], "names": [0, 10]}
+    assert steps == {name: [0, 10] if name == "names" else [0, 5, 10] for name in EVAL_NAMES}
     final = json.loads((evaluated / "metrics.json").read_text())
     for key in ("eval/text/clm/loss", "eval/docstrings/accuracy", "eval/next_line/acc", "eval/names/acc_norm"):
         assert key in final, sorted(final)
     assert 0 <= final["eval/docstrings/accuracy"] <= 1 and final["eval/next_line/examples"] == 12
+    assert final["eval/grammar/examples"] == final["eval/grammar/groups"] == 4.0 and "eval/grammar/group/def" in final
+    assert final["eval/grammar_masked/examples"] == 4.0 and "eval/grammar_masked/groups" not in final
+    assert final["eval/pll/pseudo_perplexity"] == pytest.approx(math.exp(-final["eval/pll/pll_per_token"]))
 
 
 def test_evaluate_gives_the_in_training_numbers_on_the_same_weights(runs):

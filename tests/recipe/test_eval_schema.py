@@ -29,7 +29,8 @@ def error_of(tmp_path: Path, body: str) -> str:
 
 def test_unknown_kind_lists_the_kinds(tmp_path):
     message = error_of(tmp_path, "eval:\n  - {name: held, kind: heldot, files: a.txt}\n")
-    assert "eval[0] (held): kind='heldot' is not one of ['heldout', 'classify', 'choice', 'translate']" in message
+    kinds = "['heldout', 'classify', 'choice', 'pairs', 'translate']"
+    assert f"eval[0] (held): kind='heldot' is not one of {kinds}" in message
     assert "(did you mean `heldout`?)" in message
 
 
@@ -50,7 +51,7 @@ def test_heldout_reads_no_mode_token(tmp_path):
     message = error_of(tmp_path, "eval:\n  - {name: held, kind: heldout, files: a.txt, mode_token: '[NLU]'}\n")
     assert message.endswith(
         "eval[0] (held): mode_token: a heldout evaluation does not read mode_token "
-        "(it is for classify, choice, translate)"
+        "(it is for classify, choice, pairs, translate)"
     )
 
 
@@ -95,6 +96,26 @@ def test_the_runs_own_split_takes_no_files(tmp_path):
     )
     message = error_of(tmp_path, "eval:\n  - {name: t, kind: translate, split: test, task: clm}\n")
     assert message.endswith("eval[0] (t): task: a translate evaluation does not read task (it is for heldout)")
+
+
+def test_pairs_and_scoring_keys(tmp_path):
+    body = "eval:\n  - {name: blimp, kind: pairs, files: b.jsonl, group_column: UID, scoring: masked}\n"
+    (entry,) = load_recipe(recipe(tmp_path, body)).eval
+    columns = (entry.good_column, entry.bad_column, entry.group_column)
+    assert columns == ("sentence_good", "sentence_bad", "UID") and entry.scoring == "masked"
+    assert error_of(tmp_path, "eval:\n  - {name: p, kind: pairs}\n").endswith(
+        "eval[0] (p): a pairs evaluation needs files"
+    )
+    message = error_of(tmp_path, "eval:\n  - {name: c, kind: choice, embedded: next_line, group_column: UID}\n")
+    assert message.endswith(
+        "eval[0] (c): group_column: a choice evaluation does not read group_column (it is for pairs)"
+    )
+    message = error_of(tmp_path, "eval:\n  - {name: t, kind: translate, split: test, scoring: masked}\n")
+    assert message.endswith("scoring: a translate evaluation does not read scoring (it is for heldout, choice, pairs)")
+    message = error_of(tmp_path, "eval:\n  - {name: p, kind: pairs, files: b.jsonl, scoring: pll}\n")
+    assert "eval[0] (p): scoring" in message and "pll" in message
+    message = error_of(tmp_path, "eval:\n  - {name: p, kind: pairs, files: b.jsonl, bad_column: sentence_good}\n")
+    assert message.endswith("eval[0] (p): good_column and bad_column are both 'sentence_good'; name two columns")
 
 
 def test_translate_needs_a_reference_file_per_source_file(tmp_path):
