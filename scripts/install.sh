@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install lit-transformer (editable) with its dev and store extras. On a machine without a CUDA
+# Install lit-transformer (editable) with its dev and store extras (dev holds the test tools, moto's
+# S3 server among them: tests/data/test_data_shared_store.py). On a machine without a CUDA
 # GPU, torch 2.13.0 (CPU build) goes in first: a bare `torch` requirement would pull several GB
 # of CUDA packages. Set LIT_TRANSFORMER_TORCH to choose another torch spec, and
 # LIT_TRANSFORMER_EXTRAS to choose the extras (comma-separated).

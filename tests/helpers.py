@@ -148,6 +148,27 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
+class RecordSteps(Callback):
+    """Write `out`/rank<R>.json when training ends: each training micro-batch of this rank, as
+    {"step": optimizer step, "epoch", "loss": as Lightning returns it, "rows": input_ids without padding}."""
+
+    def __init__(self, out):
+        self.out, self.rows = Path(out), []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.at = (trainer.global_step, trainer.current_epoch)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask", torch.ones_like(ids))
+        rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        self.rows.append({"step": self.at[0], "epoch": self.at[1], "loss": float(outputs["loss"]), "rows": rows})
+
+    def on_train_end(self, trainer, module) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.rows))
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """{step: train/loss} over every CSV version of a run."""
     return {int(r["step"]): r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
@@ -179,34 +200,6 @@ FILLER = "the a of to and in is that it for on with as by at from this be or an"
 KEYWORDS = {"jug": "kitchen", "plug": "socket", "zulu": "language"}
 
 
-def keyword_task(folder: Path, train: int = 240, val: int = 60) -> list[str]:
-    """A classification set that a few steps learn: each text is filler words around one keyword,
-    and the keyword alone decides the label (chance is 1/3). Returns the data overrides."""
-    rng = random.Random(0)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", train), ("val", val)):
-        lines = []
-        for _ in range(rows):
-            keyword = rng.choice(sorted(KEYWORDS))
-            words = rng.choices(FILLER, k=rng.randint(2, 5))
-            words.insert(rng.randint(0, len(words)), keyword)
-            lines.append(json.dumps({"text": " ".join(words), "label": KEYWORDS[keyword]}))
-        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
-    return [f"data.train_files=[{folder / 'train.jsonl'}]", f"data.val_files=[{folder / 'val.jsonl'}]"]
-
-
-def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout: int) -> None:
-    """Run `script` with `args` as rank 0 of a 2-process gloo job on this machine (Lightning starts
-    rank 1 by running the script again) with the token cache `cache`. A rank that waits on a
-    collective the other never enters hangs: the timeout turns it into a failure."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(
-        os.environ,
-        LIT_TRANSFORMER_CACHE=str(cache),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
 # examples per entry of an eval section in the end-to-end runs: the classify probe's 8 packages
 # need 48 rows to have every dev label among the training rows; its features at a test's batch
 # size of 4 were about a quarter of an option_pairs run otherwise (profiled: the whole embedded
@@ -242,6 +235,34 @@ def capped_recipe(recipe: Path, folder: Path) -> Path:
     return path
 
 
+def keyword_task(folder: Path, train: int = 240, val: int = 60) -> list[str]:
+    """A classification set that a few steps learn: each text is filler words around one keyword,
+    and the keyword alone decides the label (chance is 1/3). Returns the data overrides."""
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("val", val)):
+        lines = []
+        for _ in range(rows):
+            keyword = rng.choice(sorted(KEYWORDS))
+            words = rng.choices(FILLER, k=rng.randint(2, 5))
+            words.insert(rng.randint(0, len(words)), keyword)
+            lines.append(json.dumps({"text": " ".join(words), "label": KEYWORDS[keyword]}))
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return [f"data.train_files=[{folder / 'train.jsonl'}]", f"data.val_files=[{folder / 'val.jsonl'}]"]
+
+
+def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout: int) -> None:
+    """Run `script` with `args` as rank 0 of a 2-process gloo job on this machine (Lightning starts
+    rank 1 by running the script again) with the token cache `cache`. A rank that waits on a
+    collective the other never enters hangs: the timeout turns it into a failure."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        LIT_TRANSFORMER_CACHE=str(cache),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         HF_HUB_OFFLINE="1",

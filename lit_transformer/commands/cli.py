@@ -53,6 +53,21 @@ RECIPE = (
     arg("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. optim.lr=1e-3"),
     arg("--print-config", action="store_true", help="print the resolved recipe as YAML and exit"),
 )
+PREPARE = (
+    *RECIPE,
+    arg(
+        "--part",
+        metavar="I/N",
+        help="with data.store_dir: tokenize part I (0 to N-1) of the files into the shared store, one part per "
+        "process or node (e.g. --part $SLURM_PROCID/$SLURM_NTASKS); the part that completes the set merges",
+    ),
+    arg(
+        "--merge",
+        type=int,
+        metavar="N",
+        help="with data.store_dir: only merge the N finished parts and write the manifest (when no part could)",
+    ),
+)
 RECIPE_EPILOG = (
     "Recipes are YAML files (see recipes/); key=value arguments override any recipe key, e.g. trainer.max_steps=100."
 )
@@ -205,7 +220,7 @@ def prepare(args: argparse.Namespace) -> None:
     if cfg is not None:
         from lit_transformer.commands.train import prepare
 
-        prepare(cfg)
+        prepare(cfg, part=args.part, merge=args.merge)
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -297,9 +312,9 @@ COMMANDS = (
     ),
     Command(
         "prepare",
-        "train or load the tokenizer and tokenize the data into the cache, without training",
+        "train or load the tokenizer and tokenize the data into the cache (or a shared store), without training",
         prepare,
-        RECIPE,
+        PREPARE,
         epilog=RECIPE_EPILOG,
     ),
     Command(

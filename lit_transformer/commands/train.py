@@ -283,16 +283,30 @@ def sample_fn(cfg: RunConfig, dm):
     return sample
 
 
-def prepare(cfg: RunConfig) -> dict[str, Any]:
-    """Train or load the tokenizer and fill the token cache (every task's, for a mixture);
-    writes tokenizer.json and config.yaml."""
+def prepare(cfg: RunConfig, *, part: str | None = None, merge: int | None = None) -> dict[str, Any]:
+    """Train or load the tokenizer and fill the token cache (every task's, for a mixture), or
+    write a shared store (data.store_dir: part "I/N" of it, or `merge` its N parts); writes
+    tokenizer.json and config.yaml."""
     from lit_transformer.data.tokens.prepare import format_summary
     from lit_transformer.data.tokens.prepare import prepare as prepare_data
 
+    shared = cfg.data.store == "litdata" and cfg.data.store_dir is not None
+    if (part is not None or merge is not None) and (cfg.tasks or not shared):
+        raise RunError("prepare --part and --merge write a shared store: set data.store=litdata and data.store_dir")
     cfg = finish_config(cfg)
     run_dir = Path(cfg.run.dir)
     vocab = model_config(cfg).vocab_size if cfg.finetune.from_ is None else None
-    if cfg.tasks:
+    if shared and not cfg.tasks:
+        from lit_transformer.data.tokens.prepare import require_litdata
+
+        require_litdata()  # one line naming the extra, before remote_store imports litdata
+        from lit_transformer.data.tokens.remote_store import prepare_store
+
+        data_kind = registry.spec(cfg.objective.name).data
+        summary = prepare_store(
+            cfg.data, cfg.tokenizer, data_kind, run_dir, part=part, merge=merge, model_vocab_size=vocab
+        )
+    elif cfg.tasks:
         dm = data_module(cfg, run_dir, vocab)
         summary = {"tokenizer": str(run_dir / "tokenizer.json"), "tasks": dm.summaries()}
         print(f"tokenizer  {dm.vocab_size:,} tokens -> {run_dir / 'tokenizer.json'}")

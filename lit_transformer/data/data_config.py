@@ -9,6 +9,7 @@ or task built from the Python standard library (see `stdlib.py`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -26,6 +27,11 @@ Task = Literal["single_label", "multi_label", "regression"]
 TokenizerKind = Literal["bpe", "wordpiece", "unigram"]
 Store = Literal["cache", "litdata"]
 AUTO = "auto"  # a value resolved when the run starts (recipe/auto_rules.py)
+SIZE = re.compile(r"^\d+(\.\d+)?\s*[kmgt]?b?$", re.IGNORECASE)  # what litdata's max_cache_size parses
+CAPS = ("max_documents", "max_train_bytes", "max_val_bytes")
+# object stores a shared store and its input files may live in (object_store.py): the one the tests
+# exercise against a real server
+URL_SCHEMES = ("s3",)
 
 
 @dataclass
@@ -64,6 +70,14 @@ class DataConfig:
     # (store.py), read with disjoint shards per rank and resumed without reading skipped blocks:
     # for corpora that outgrow one node (the optional `store` extra; docs/data.md)
     store: Store = "cache"
+    # data.store=litdata: where the store lives. None: each node writes its own under the cache
+    # directory, from its token cache. A directory shared by the nodes, or an s3:// URL: one store
+    # that `prepare` writes once (in parts with --part i/N) and every node reads with no local
+    # training cache (remote_store.py; docs/data.md, "A shared store")
+    store_dir: str | None = None
+    # a data.store_dir on an object store: the local chunk cache's bound, e.g. "50GB" (litdata's
+    # max_cache_size: chunks already read are deleted). None: litdata's default, 75% of the free disk
+    store_cache_limit: str | None = None
     block_size: int = 128  # LM objectives: tokens per example (span: encoder input length)
     max_length: int = 128  # classify / seq2seq source truncation
     max_target_length: int = 128  # seq2seq target truncation
@@ -106,6 +120,10 @@ class DataConfig:
         _check_choice("data.text_format", self.text_format, get_args(TextFormat))
         _check_choice("data.task", self.task, get_args(Task))
         _check_choice("data.store", self.store, get_args(Store))
+        if self.store_cache_limit is not None and not SIZE.match(str(self.store_cache_limit)):
+            raise DataError(
+                f"data.store_cache_limit={self.store_cache_limit!r} is not a size such as '50GB' or '500MB'"
+            )
         if self.streaming and self.store != "cache":
             raise DataError(
                 f"data.streaming=true reads no stored blocks; data.store={self.store!r} needs "
@@ -179,6 +197,38 @@ class DataConfig:
             raise DataError(f"data.batch_warmup_steps cuts batches of data.batch_size examples; {why}")
         if self.batch_size != AUTO:
             check_batch_warmup(self.batch_size, start)
+
+
+def check_store_dir(cfg: DataConfig) -> None:
+    """The settings a shared store (data.store_dir) needs, each refusal one line. Checked when a
+    recipe is read and again where the store is prepared or opened; not in __post_init__, since a
+    copy of a run's data section made for another purpose (store=cache) may keep the key."""
+    if cfg.store_dir is None:
+        if cfg.store_cache_limit is not None:
+            raise DataError(
+                f"data.store_cache_limit={cfg.store_cache_limit!r} bounds the chunk cache of a data.store_dir "
+                "on an object store; set data.store_dir or leave the limit unset"
+            )
+        return
+    if cfg.store != "litdata":
+        raise DataError(f"data.store_dir={cfg.store_dir!r} holds a litdata store: set data.store=litdata")
+    scheme = cfg.store_dir.split("://", 1)[0].lower() if "://" in cfg.store_dir else None
+    if scheme is not None and scheme not in URL_SCHEMES:
+        raise DataError(
+            f"data.store_dir={cfg.store_dir!r}: {scheme}:// is not supported; use a directory (local or shared) or "
+            "an s3:// URL (AWS S3 or an S3-compatible server, with AWS_ENDPOINT_URL)"
+        )
+    if not cfg.train_files or cfg.hub_name:
+        raise DataError(
+            f"data.store_dir={cfg.store_dir!r} is prepared from data.train_files (files, globs, directories or "
+            "s3:// URLs); the embedded corpus and data.hub_name are not read into one"
+        )
+    for key in CAPS:
+        if getattr(cfg, key) is not None:
+            raise DataError(
+                f"data.{key}={getattr(cfg, key)} caps the corpus in file order, which a store prepared file by "
+                f"file (and in parts) cannot apply: set data.{key}=null with data.store_dir"
+            )
 
 
 def halved_down_to(full: int, start: int) -> bool:

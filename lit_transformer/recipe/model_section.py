@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lit_transformer.data.data_config import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES
+from lit_transformer.data.data_config import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES, check_store_dir
 from lit_transformer.errors import DataError, RecipeError
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
 from lit_transformer.recipe import auto_rules as auto
@@ -121,6 +121,10 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
             f"{source}: data.store={cfg.data.store} is for LM objectives ({', '.join(LM_OBJECTIVES)}), "
             f"not {cfg.objective.name!r}"
         )
+    try:  # a shared store's settings: refused here, before a run or a prepare writes anything
+        check_store_dir(cfg.data)
+    except DataError as error:
+        raise RecipeError(f"{source}: {error}") from None
     if cfg.data.batch_tokens is not None and not cfg.tasks and spec.data in LM_OBJECTIVES:
         raise RecipeError(
             f"{source}: data.batch_tokens is for seq2seq and classify (examples of varying length); "

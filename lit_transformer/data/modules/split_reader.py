@@ -4,7 +4,8 @@
 training read already is opened, not tokenised again), and collates it as training's validation
 loader does: the same rows in the same order, the same collator, the same per-example generators
 (seed, epoch 0, row index), so an evaluation computes the numbers training logged. The training
-split is never read, and a litdata store is never opened (only the training split lives in one).
+split is never read, and a node-local litdata store is never opened (only the training split lives
+in one); a shared store (data.store_dir) holds the evaluation splits too, and they are read from it.
 A streaming run's split is streamed, as training streamed it.
 
 The readers answer what an objective asks of its data when it evaluates (`evaluation_streams`,
@@ -32,7 +33,13 @@ from lit_transformer.data.sources.corpus import build_sources
 from lit_transformer.data.tokens.examples import RaggedExamples
 from lit_transformer.data.tokens.pack import LMBlocks
 from lit_transformer.data.tokens.prepare import Prepared, block_params, resolve_tokenizer, split_entry
-from lit_transformer.data.tokens.tokenizer import SpecialTokens, check_extra_special_tokens, check_tokenizer
+from lit_transformer.data.tokens.store_manifest import open_split
+from lit_transformer.data.tokens.tokenizer import (
+    SpecialTokens,
+    check_extra_special_tokens,
+    check_tokenizer,
+    load_tokenizer,
+)
 from lit_transformer.errors import DataError
 
 SPLITS = ("validation", "test")
@@ -58,11 +65,15 @@ class SplitReader:
             raise DataError(f"split {split!r} is not one of {list(SPLITS)}")
         if tokenizer.path is None:
             raise DataError(f"reading the {split} split needs the run's tokenizer: tokenizer.path is not set")
+        shared = data.store == "litdata" and data.store_dir is not None  # its files may be on no disk here
         self.data = dataclasses.replace(data, store="cache", num_workers=0)  # the store holds training's blocks
         self.kind, self.split, self.seed = kind, split, seed
-        sources = build_sources(self.data, kind)  # reads nothing until iterated
+        sources = {} if shared else build_sources(self.data, kind)  # reads nothing until iterated
         self.source = sources.get(split)
-        tok, _, tok_hash = resolve_tokenizer(self.data, tokenizer, sources, build=False)
+        if shared:
+            tok, tok_hash = load_tokenizer(tokenizer.path), None
+        else:
+            tok, _, tok_hash = resolve_tokenizer(self.data, tokenizer, sources, build=False)
         cfg = self.data
         special = check_tokenizer(
             tok,
@@ -80,8 +91,10 @@ class SplitReader:
         self.max_batches = None if max_examples is None else math.ceil(max_examples / self.rows)
         self._examples = None
         self._bytes_per_token: float | None = None
-        if self.source is not None and not cfg.streaming:
+        entry = open_split(data, split, tokenizer.path) if shared else None
+        if entry is None and self.source is not None and not cfg.streaming:
             entry, _ = split_entry(self.source, kind, cfg, self.prepared, tok_hash, build=True)
+        if entry is not None:
             self._examples = LMBlocks(entry) if entry.meta["kind"] == "lm" else RaggedExamples(entry)
             self._bytes_per_token = entry.meta["bytes"] / entry.meta["tokens"]
             if kind == "classify" and label_names is None:
@@ -89,7 +102,7 @@ class SplitReader:
 
     @property
     def has_split(self) -> bool:
-        return self.source is not None
+        return self.source is not None or self._examples is not None
 
     @property
     def tokenizer(self):

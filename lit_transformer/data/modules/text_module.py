@@ -1,6 +1,7 @@
 """`TextDataModule`: one LightningDataModule for every objective.
 
-- `prepare_data` (local rank 0): trains or loads the tokenizer and fills the token cache.
+- `prepare_data` (local rank 0): trains or loads the tokenizer and fills the token cache; with a
+  shared store (data.store_dir, written beforehand by `prepare`) it only opens the store.
 - `setup` (every rank): opens the cache by memory map; tokenizes nothing. Under a Trainer with
   several processes the ranks then compare fingerprints of what they read (`agree_on_data`):
   nodes build their own caches (no shared filesystem is assumed), and a node whose cache
@@ -29,9 +30,7 @@ from torch.utils.data import DataLoader
 
 from lit_transformer.data.batches.batch_warmup import WarmupBatchSampler
 from lit_transformer.data.batches.block_warmup import cut_rows, warmup_row_length
-from lit_transformer.data.batches.collate import (
-    example_generators,
-)
+from lit_transformer.data.batches.collate import example_generators
 from lit_transformer.data.batches.collator_for import make_collator
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, TokenBatchSampler
 from lit_transformer.data.data_config import (
@@ -42,10 +41,12 @@ from lit_transformer.data.data_config import (
     check_objective,
 )
 from lit_transformer.data.modules.streaming import STATE_KEY, StreamingBlocks, estimate_bytes_per_token
+from lit_transformer.data.tokens import prepare
 from lit_transformer.data.tokens.cache import cache_lock, cache_root
 from lit_transformer.data.tokens.examples import RaggedExamples
 from lit_transformer.data.tokens.pack import LMBlocks
-from lit_transformer.data.tokens.prepare import Prepared, block_params, build, write_run_files
+from lit_transformer.data.tokens.prepare import Prepared, block_params, require_litdata, write_run_files
+from lit_transformer.data.tokens.store_manifest import open_store
 from lit_transformer.errors import DataError
 
 # what a data state records of the layout it was counted on (sampler.carry): ranks, the sampler's
@@ -96,6 +97,8 @@ def data_fingerprint(prepared: Prepared) -> str:
     parts: list = [hashlib.sha256(prepared.tokenizer.to_str().encode()).hexdigest()]
     for split, entry in sorted(prepared.entries.items()):
         parts.append([split, entry.path.name, entry.meta["arrays"]])
+    if prepared.store_key is not None:  # a shared store: its training shards are part of the data
+        parts.append(prepared.store_key)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -187,14 +190,17 @@ class TextDataModule(RankedDataModule):
         self.carried: tuple[int, int] | None = None  # (saved, carried) batches of a resume on another layout
         self._next_epoch = 0  # without a trainer: epochs count iterations of the train loader
         self._stream_bytes_per_token: dict[str, float] = {}  # by split
+        # data.store=litdata: the layout (store.StoreLoader.layout) the resumed epoch's order was cut
+        # for, when it is not this run's; the store's loader, once built
+        self._store_origin: tuple | None = None
+        self._saved_order: tuple | None = None
+        self._store = None
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def prepare_data(self) -> None:
         with cache_lock(cache_root(self.data.cache_dir)):  # one process of the node tokenizes, the others wait
-            prepared = build(
-                self.data, self.tokenizer_cfg, self.objective, build=True, model_vocab_size=self.model_vocab_size
-            )
+            prepared = self._open_or_build(build=True)
         if self.run_dir is not None:
             write_run_files(prepared, self.run_dir, self.data.task)
         self._prepared = prepared  # this process's setup needs nothing more
@@ -202,13 +208,7 @@ class TextDataModule(RankedDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._prepared is None:
             # a single process may build what is missing; other ranks rely on prepare_data
-            self._prepared = build(
-                self.data,
-                self.tokenizer_cfg,
-                self.objective,
-                build=self.world_size == 1,
-                model_vocab_size=self.model_vocab_size,
-            )
+            self._prepared = self._open_or_build(build=self.world_size == 1)
             if self.run_dir is not None and self.rank == 0 and not (Path(self.run_dir) / "tokenizer.json").exists():
                 write_run_files(self._prepared, self.run_dir, self.data.task)
         self.collator = self._make_collator()
@@ -221,10 +221,10 @@ class TextDataModule(RankedDataModule):
         return self._loader("train", train=True)
 
     def val_dataloader(self):
-        return self._loader("validation", train=False) if "validation" in self._prepared.sources else []
+        return self._loader("validation", train=False) if self._has_split("validation") else []
 
     def test_dataloader(self):
-        return self._loader("test", train=False) if "test" in self._prepared.sources else []
+        return self._loader("test", train=False) if self._has_split("test") else []
 
     def generation_dataloader(self):
         """Validation batches whose texts prompt the sample generations ([] without a split)."""
@@ -235,6 +235,8 @@ class TextDataModule(RankedDataModule):
         state = {"epoch": self._epoch, "batches": self._consumed, "seed": self.seed, **self._layout()}
         if self._train_stream is not None or self._stream_resume is not None:  # streaming: where each worker is
             state["stream"] = self._stream_resume or self._train_stream.state()
+        if self._store is not None:  # the layout this epoch's order was cut for (store.py, "Resuming")
+            state["store_order"] = list(self._store_origin or self._store.layout)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -244,6 +246,7 @@ class TextDataModule(RankedDataModule):
         # checkpoints written before the layout was saved resume as on this layout
         self._saved_layout = {k: state[k] for k in LAYOUT_KEYS} if "world_size" in state else None
         self._stream_resume = state.get("stream")  # absent (older checkpoints): the stream skips batches
+        self._saved_order = tuple(state["store_order"]) if "store_order" in state else None
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
         if self.trainer is None or self.trainer.training:
@@ -318,6 +321,18 @@ class TextDataModule(RankedDataModule):
             self.setup()
         return self._prepared
 
+    def _open_or_build(self, *, build: bool) -> Prepared:
+        """A shared store (data.store_dir), prepared beforehand and only read; else the cache, built
+        where missing when `build`."""
+        data, vocab = self.data, self.model_vocab_size
+        if data.store == "litdata" and data.store_dir is not None:
+            require_litdata()
+            return open_store(data, self.tokenizer_cfg, self.objective, model_vocab_size=vocab)
+        return prepare.build(data, self.tokenizer_cfg, self.objective, build=build, model_vocab_size=vocab)
+
+    def _has_split(self, split: str) -> bool:
+        return split in self._prepared.sources or split in self._prepared.entries
+
     def _make_collator(self) -> Callable:
         return make_collator(self.objective, self.data, self._prepared.tokenizer, self._prepared.special)
 
@@ -325,6 +340,7 @@ class TextDataModule(RankedDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else self._next_epoch
         self._next_epoch = epoch + 1
         skip = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._store_origin = self._saved_store_order() if skip else None
         if self._train_sampler is not None:
             self._train_sampler.set_epoch(epoch)  # before _carry: a warmup sampler carries by epoch
         if self._resume is not None and self._saved_layout is not None:
@@ -358,12 +374,19 @@ class TextDataModule(RankedDataModule):
             f"the checkpoint stopped after {batches} batches of epoch {epoch} on each of {saved['world_size']} "
             f"ranks (data.batch_size={saved['batch_size']}, data.batch_tokens={saved['batch_tokens']})"
         )
-        if self._train_sampler is None:  # a stream or a store, sharded by rank as read: no one order to skip in
-            kind = "data.streaming=true" if cfg.streaming else f"data.store={cfg.store}"
+        if self._train_sampler is None and cfg.streaming:  # sharded by rank as read: no one order to skip in
             raise DataError(
-                f"{where}: {kind} resumes only on the layout it was saved with; set trainer.devices x "
+                f"{where}: data.streaming=true resumes only on the layout it was saved with; set trainer.devices x "
                 f"trainer.num_nodes = {saved['world_size']} and data.batch_size={saved['batch_size']}"
             )
+        if self._train_sampler is None:  # the store: the saved order's first samples (store.py, "Resuming")
+            done, step = batches * saved["batch_size"] * saved["world_size"], cfg.batch_size * self.world_size
+            if done % step:
+                raise DataError(
+                    f"{where}: {done} blocks, not a whole number of global micro-batches of {step} blocks on "
+                    f"{self.world_size} ranks; choose trainer.devices and data.batch_size so that it is"
+                )
+            return done // step
         if saved["batch_tokens"] != cfg.batch_tokens:
             raise DataError(
                 f"{where}: data.batch_tokens cuts the batches, resume with data.batch_tokens={saved['batch_tokens']}"
@@ -445,7 +468,7 @@ class TextDataModule(RankedDataModule):
         test stay on the token cache, which every rank reads whole or in its own rows anyway."""
         from lit_transformer.data.tokens.store import StoreLoader  # litdata: an optional extra, checked by build
 
-        return StoreLoader(
+        self._store = StoreLoader(
             self._prepared.store,
             collator=self.collator,
             batch_size=batch_size,
@@ -457,4 +480,21 @@ class TextDataModule(RankedDataModule):
             num_workers=self.data.num_workers,
             pin_memory=torch.cuda.is_available(),
             owner=self,
+            cache_dir=self._chunk_cache(),
+            max_cache_size=self.data.store_cache_limit,
         )
+        return self._store
+
+    def _chunk_cache(self) -> str | None:
+        """Where a shared store's chunks are cached on this node (bounded: data.store_cache_limit)."""
+        key = self._prepared.store_key
+        return str(cache_root(self.data.cache_dir) / "stores" / key[:32] / "chunks") if key else None
+
+    def _saved_store_order(self) -> tuple | None:
+        """The layout the resumed epoch's order was cut for (older checkpoints: as saved, nodes and workers as now)."""
+        if self._saved_order is not None:
+            return self._saved_order
+        if self._saved_layout is None or self._store is None:
+            return None
+        _, nodes, workers, _ = self._store.layout
+        return self._saved_layout["world_size"], nodes, workers, self._saved_layout["batch_size"]

@@ -48,7 +48,8 @@ class Prepared:
     label_names: list | None = None
     summaries: dict[str, dict] = field(default_factory=dict)
     tokenizer_source: str = ""  # "trained", "cached" or the loaded path
-    store: Path | None = None  # data.store=litdata: the train split's shards (store.py)
+    store: Path | str | None = None  # data.store=litdata: the train split's shards (store.py), or a shared store's URL
+    store_key: str | None = None  # a shared store's data fingerprint (store_manifest.py)
 
 
 def block_params(objective: str, cfg: DataConfig) -> tuple[int, int]:

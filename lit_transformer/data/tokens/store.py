@@ -16,7 +16,17 @@ complete (cache.py's rule): two nodes never write the same shard, and a store is
 
 Reading: `StoreLoader` is litdata's StreamingDataLoader; the data module's (epoch, batches used)
 is its state, as for the cache's sampler, and positions litdata's replay at the next batch.
-litdata's epoch counter is ours + 1 (its loader counts epochs from 1).
+litdata's epoch counter is ours + 1 (its loader counts epochs from 1). The same loader reads a
+shared store (remote_store.py): a directory in place, or an s3:// URL through a local chunk cache
+bounded by data.store_cache_limit (litdata's max_cache_size; it deletes chunks already read).
+
+Resuming on another layout (ranks, nodes, DataLoader workers, batch): litdata cuts an epoch's
+order for the layout that reads it, each rank taking whole chunks. Its elastic resume
+(litdata/streaming/elastic.py) rebuilds the order the epoch began with as one stream, global
+batch after global batch, drops the samples already trained and deals the rest onto the new
+layout. A position of K batches on W ranks of B is the stream's first K x W x B samples, so the
+new layout's optimizer steps hold the same blocks as the old one's would have: `start(...,
+origin=layout the epoch began on)`. The epoch after it is cut for the new layout.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from litdata import StreamingDataLoader, StreamingDataset, optimize
 from litdata.utilities.env import _DistributedEnv
 
 from lit_transformer.data.batches.collate import example_generators
+from lit_transformer.data.tokens import object_store
 from lit_transformer.data.tokens.cache import CacheEntry, cache_key, reopen_entry
 from lit_transformer.data.tokens.pack import START_METHOD, LMBlocks
 from lit_transformer.errors import DataError
@@ -162,8 +173,13 @@ class StoreLoader(StreamingDataLoader):
         num_workers: int = 0,
         pin_memory: bool = False,
         owner=None,
+        cache_dir: str | None = None,
+        max_cache_size: str | None = None,
     ):
-        dataset = StreamingDataset(str(path), shuffle=shuffle, drop_last=True, seed=seed)
+        remote = {}
+        if object_store.is_url(str(path)):  # a shared store's s3:// URL: chunks cached locally, bounded
+            remote = dict(cache_dir=cache_dir, max_cache_size=max_cache_size, storage_options=_s3_options())
+        dataset = StreamingDataset(str(path), shuffle=shuffle, drop_last=True, seed=seed, **remote)
         # the rank as the trainer knows it, not as litdata would detect it (no process group in tests)
         dataset.distributed_env = _DistributedEnv(world_size, rank, num_nodes)
         self._collate = _Collate(collator, seed)
@@ -178,20 +194,40 @@ class StoreLoader(StreamingDataLoader):
         self._owner = owner
         self._done = False  # the epoch to start was already used up when the state was saved
 
-    def start(self, epoch: int, batches_done: int) -> None:
-        """Make the next iteration yield `epoch`'s batches after the first `batches_done`."""
+    @property
+    def layout(self) -> tuple[int, int, int, int]:
+        """(ranks, nodes, DataLoader workers, batch): what litdata cuts an epoch's order for."""
+        env = self.dataset.distributed_env
+        return env.world_size, env.num_nodes, max(self.num_workers, 1), self.batch_size
+
+    def start(self, epoch: int, batches_done: int, origin: tuple | None = None) -> None:
+        """Make the next iteration yield `epoch`'s batches after the first `batches_done`; `origin`:
+        the layout (`layout`) the epoch's order was cut for, when not this loader's."""
         self._collate.epoch = epoch
-        self.restore, self._done = False, batches_done >= len(self)
+        elastic = batches_done > 0 and origin is not None and tuple(origin) != self.layout
+        self.restore, self._done = False, not elastic and batches_done >= len(self)
         self.dataset.reset_state_dict()
         if batches_done == 0 or self._done:
             self.current_epoch = epoch  # litdata adds one as iteration starts
             return
         samples = batches_done * self.batch_size  # per rank: what litdata's replay counts
         self.dataset.current_epoch = epoch + 1
+        dataset_state = self.dataset.state_dict(samples, self.num_workers, self.batch_size)
+        if elastic:  # the origin's order as one stream, its first batches_done global batches dropped
+            ranks, nodes, workers, batch = origin
+            dataset_state.update(
+                initial_world_size=ranks,
+                initial_num_nodes=nodes,
+                initial_num_workers=workers,
+                initial_batch_size=batch,
+                sample_in_epoch=samples * self.layout[0],
+                num_samples_yielded=0,
+                resume_mode="elastic",
+            )
         state = {
-            "dataset": self.dataset.state_dict(samples, self.num_workers, self.batch_size),
+            "dataset": dataset_state,
             "current_epoch": epoch + 1,
-            "num_samples_yielded": samples,
+            "num_samples_yielded": 0 if elastic else samples,
             "latest_worker_idx": (batches_done - 1) % max(self.num_workers, 1),  # workers take batches in turn
         }
         StreamingDataLoader.load_state_dict(self, state)
@@ -199,7 +235,7 @@ class StoreLoader(StreamingDataLoader):
     def __iter__(self):
         if self._owner is not None:
             self._owner._begin_train_epoch()
-            self.start(self._owner._epoch, self._owner._consumed)
+            self.start(self._owner._epoch, self._owner._consumed, self._owner._store_origin)
         if self._done:
             return iter(())
         return super().__iter__()
@@ -212,3 +248,15 @@ class StoreLoader(StreamingDataLoader):
             self._owner.load_state_dict(state)
         else:
             super().load_state_dict(state)
+
+
+def _s3_options() -> dict:
+    """litdata's boto3 options for a shared store: object_store's bounded retries and timeouts in
+    place of its own 1000 attempts. litdata 0.2.76 also fetches chunks with obstore, built without
+    allow_http: on an http:// endpoint (a local S3-compatible server such as MinIO or moto) every
+    chunk GET then fails with "builder error", so such an endpoint gets allow_http here."""
+    import litdata.streaming.downloader as downloader
+
+    if str(object_store.s3_client().meta.endpoint_url).startswith("http://"):
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
+    return {"config": object_store.s3_config()}
