@@ -23,7 +23,7 @@ from lit_transformer.evaluation.eval_target import EvalTarget, Evaluation
 from lit_transformer.evaluation.suite import run_suite
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.recipe.tasks import trains_bidirectional_mode
-from lit_transformer.training.distributed import gathered_parameters
+from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters
 
 
 def eval_target(module: Any, cfg: RunConfig, tokenizer: Any, special: Any) -> EvalTarget:
@@ -79,7 +79,7 @@ class NamedEvaluations(Callback):
         if not pending:
             return
         target = eval_target(pl_module, self.cfg, self.tokenizer, self.special)
-        with gathered_parameters(pl_module):
+        with gathered_parameters(pl_module), eager_outside_the_step():
             metrics = run_suite(pending, target, step=step, final=final)
         metrics = trainer.strategy.broadcast(metrics, src=0)  # every rank holds rank 0's numbers
         ran = {key.split("/")[1] for key in metrics}

@@ -25,7 +25,7 @@ from lit_transformer.objectives.metrics import IGNORE_INDEX, CorpusBLEU, TokenAv
 from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
 from lit_transformer.recipe.registry import implements
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
-from lit_transformer.training.distributed import gathered_parameters
+from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters
 
 Task = Literal["span", "seq2seq"]
 
@@ -232,7 +232,8 @@ class Seq2SeqLM(ObjectiveBase):
         """Decode the batch's sources; (hypotheses, references) as detokenized text."""
         from lit_transformer.model.generate import generate
 
-        out = generate(self.model, batch["input_ids"], batch.get("attention_mask"), **self.generate_kwargs)
+        with eager_outside_the_step():  # decoding shapes change every step: not the compiled step's
+            out = generate(self.model, batch["input_ids"], batch.get("attention_mask"), **self.generate_kwargs)
         eos = self.generate_kwargs.get("eos_token_id")
         stop = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
         hypotheses = [self.detokenize(_until(row, stop)) for row in out[:, 1:].tolist()]  # (B, G): drop the start

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lit_transformer.data.batches.collate import batch_generator
 from lit_transformer.errors import RunError
 from lit_transformer.training.checkpoints import newest_complete
-from lit_transformer.training.distributed import gathered_parameters, is_sharded
+from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters, is_sharded
 from lit_transformer.training.rundir import SAMPLES_FILE
 
 
@@ -189,7 +189,8 @@ class SampleGenerations(Callback):
             return
         if not trainer.is_global_zero and not is_sharded(pl_module):
             return
-        with gathered_parameters(pl_module):  # FSDP2: every rank gathers, rank 0 generates
+        # FSDP2: every rank gathers, rank 0 generates; eagerly: each decoding step has another key length
+        with gathered_parameters(pl_module), eager_outside_the_step():
             pairs = self.sample(pl_module) if trainer.is_global_zero else []
         if not trainer.is_global_zero:
             return

@@ -7,6 +7,7 @@ objectives stay the same on one CPU or many GPUs:
   meta_language_model     build on the meta device; materialize allocates and initialises
                           each rank's shards after sharding
   gathered_parameters     unshard every FSDP2 unit for generation and BLEU decoding
+  eager_outside_the_step  compiled blocks run eagerly for generation and evaluations
   full_state_dict         the whole state dict on CPU, gathered from the shards
   total_norm              the global gradient norm, sharded DTensors included
   local_rank              this process's index on its node, before the process group exists
@@ -273,3 +274,14 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
     full_tensor = getattr(norm, "full_tensor", None)  # a DTensor under FSDP2: reduce the shards
     return full_tensor() if full_tensor is not None else norm
+
+
+def eager_outside_the_step():
+    """A context in which blocks compiled for training (trainer.compile) run eagerly: sample
+    generation and named evaluations call them with shapes that change from call to call (a
+    growing KV cache, ragged batches of choices), each a new graph to compile, which costs far more
+    than the few batches it would speed up. Measured on 2 CPU cores with a cold compile cache
+    (2026-11-27): a tiny clm run that generates and evaluates at each validation, stopped and
+    resumed (tests/test_option_pairs.py's compiled store row), took 132 s compiling them, 65 s
+    not. Validation batches keep one shape and stay compiled."""
+    return torch.compiler.set_stance("force_eager")
