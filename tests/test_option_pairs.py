@@ -33,14 +33,14 @@ names the key the one-line error must name) checks that refusal for exactly that
   warmup      seqlen = data.block_warmup_steps (clm, mlm only); batch = data.batch_warmup_steps
               (not with streaming or the store)
 
-Cost: about 5 minutes on 2 cores with a warm inductor cache, most of it compiling (the
-evaluations' shapes compile too). A cold
-torch.compile of a tiny block costs 20-60 s here (the eval-mode graph and generation's decoding
-shapes compile again), and more when two ranks compile at once on the same 2 cores. So the
-compile rows come first, in this process, and the ddp and fsdp compile rows repeat the graph
-of one of them (same objective, attention, precision, checkpointing and generation; LM blocks
-have one shape) so that inductor's on-disk cache serves it: +10-15 s for the subprocess instead
-of +45 s and more. Everything else is 24 wide, one layer, 24-token blocks, one validation batch
+Cost: most of it is compiling. With a cold inductor cache (a fresh CI machine) a compiled
+single-process row took 22-69 s here (2026-11-27), its training and validation graphs: sample
+generation and the named evaluations run the compiled blocks eagerly
+(training.distributed.eager_outside_the_step), as they did not when a row took 132 s. Two ranks
+compiling at once on the same 2 cores cost more. So the compile rows come first, in this process,
+and the ddp and fsdp compile rows repeat the graph of one of them (same objective, attention,
+precision, checkpointing and generation; LM blocks have one shape) so that inductor's on-disk
+cache serves them. Everything else is 24 wide, one layer, 24-token blocks, one validation batch
 and 4 generated tokens; a run without compile takes 1-3 s.
 """
 

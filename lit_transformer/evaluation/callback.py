@@ -79,7 +79,7 @@ class NamedEvaluations(Callback):
         if not pending:
             return
         target = eval_target(pl_module, self.cfg, self.tokenizer, self.special)
-        with gathered_parameters(pl_module), eager_outside_the_step():
+        with gathered_parameters(pl_module), eager_outside_the_step(pl_module):
             metrics = run_suite(pending, target, step=step, final=final)
         metrics = trainer.strategy.broadcast(metrics, src=0)  # every rank holds rank 0's numbers
         ran = {key.split("/")[1] for key in metrics}

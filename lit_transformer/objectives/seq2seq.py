@@ -232,7 +232,7 @@ class Seq2SeqLM(ObjectiveBase):
         """Decode the batch's sources; (hypotheses, references) as detokenized text."""
         from lit_transformer.model.generate import generate
 
-        with eager_outside_the_step():  # decoding shapes change every step: not the compiled step's
+        with eager_outside_the_step(self):  # decoding shapes change every step: not the compiled step's
             out = generate(self.model, batch["input_ids"], batch.get("attention_mask"), **self.generate_kwargs)
         eos = self.generate_kwargs.get("eos_token_id")
         stop = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))

@@ -190,7 +190,7 @@ class SampleGenerations(Callback):
         if not trainer.is_global_zero and not is_sharded(pl_module):
             return
         # FSDP2: every rank gathers, rank 0 generates; eagerly: each decoding step has another key length
-        with gathered_parameters(pl_module), eager_outside_the_step():
+        with gathered_parameters(pl_module), eager_outside_the_step(pl_module):
             pairs = self.sample(pl_module) if trainer.is_global_zero else []
         if not trainer.is_global_zero:
             return
