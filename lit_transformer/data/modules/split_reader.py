@@ -32,12 +32,17 @@ from lit_transformer.data.modules.streaming import StreamingBlocks, estimate_byt
 from lit_transformer.data.sources.corpus import build_sources
 from lit_transformer.data.tokens.examples import RaggedExamples
 from lit_transformer.data.tokens.pack import LMBlocks
-from lit_transformer.data.tokens.prepare import Prepared, block_params, resolve_tokenizer, split_entry
+from lit_transformer.data.tokens.prepare import (
+    Prepared,
+    block_params,
+    resolve_tokenizer,
+    split_entry,
+    tokenizer_for_data,
+)
 from lit_transformer.data.tokens.store_manifest import open_split
 from lit_transformer.data.tokens.tokenizer import (
     SpecialTokens,
     check_extra_special_tokens,
-    check_tokenizer,
     load_tokenizer,
 )
 from lit_transformer.errors import DataError
@@ -75,14 +80,7 @@ class SplitReader:
         else:
             tok, _, tok_hash = resolve_tokenizer(self.data, tokenizer, sources, build=False)
         cfg = self.data
-        special = check_tokenizer(
-            tok,
-            kind,
-            None,
-            block_size=cfg.block_size,
-            noise_density=cfg.noise_density,
-            mean_span_length=cfg.mean_span_length,
-        )
+        special = tokenizer_for_data(tok, kind, None, cfg)
         self.prepared = Prepared(
             kind, tok, special, {split: self.source} if self.source else {}, label_names=label_names
         )

@@ -52,6 +52,19 @@ class Prepared:
     store_key: str | None = None  # a shared store's data fingerprint (store_manifest.py)
 
 
+def tokenizer_for_data(tokenizer, objective: str, model_vocab_size: int | None, cfg: DataConfig):
+    """check_tokenizer with the data section's block and span settings: the special tokens, or a
+    one-line DataError where the tokenizer cannot feed this objective and model."""
+    return check_tokenizer(
+        tokenizer,
+        objective,
+        model_vocab_size,
+        block_size=cfg.block_size,
+        noise_density=cfg.noise_density,
+        mean_span_length=cfg.mean_span_length,
+    )
+
+
 def block_params(objective: str, cfg: DataConfig) -> tuple[int, int]:
     """(tokens per stored example, stride) of packed LM blocks (pack.py)."""
     if objective == "clm":
@@ -123,14 +136,7 @@ def build(
         require_litdata()
     sources = build_sources(data_cfg, objective)
     tokenizer, origin, tok_hash = resolve_tokenizer(data_cfg, tok_cfg, sources, build=build)
-    special = check_tokenizer(
-        tokenizer,
-        objective,
-        model_vocab_size,
-        block_size=data_cfg.block_size,
-        noise_density=data_cfg.noise_density,
-        mean_span_length=data_cfg.mean_span_length,
-    )
+    special = tokenizer_for_data(tokenizer, objective, model_vocab_size, data_cfg)
     out = Prepared(objective, tokenizer, special, sources, tokenizer_source=origin)
     if data_cfg.streaming:
         return out

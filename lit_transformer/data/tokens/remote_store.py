@@ -59,9 +59,16 @@ from lit_transformer.data.tokens.pack import (
     num_blocks,
     token_dtype,
 )
-from lit_transformer.data.tokens.prepare import Prepared, block_params, format_summary, require_litdata, write_run_files
+from lit_transformer.data.tokens.prepare import (
+    Prepared,
+    block_params,
+    format_summary,
+    require_litdata,
+    tokenizer_for_data,
+    write_run_files,
+)
 from lit_transformer.data.tokens.store import CHUNK_BYTES
-from lit_transformer.data.tokens.tokenizer import check_tokenizer, load_tokenizer, save_tokenizer, train_tokenizer
+from lit_transformer.data.tokens.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from lit_transformer.errors import DataError
 
 FILE_BLOCKS = 1 << 32  # block keys: a file's blocks never reach 2**32 (5e11 tokens of 128)
@@ -141,14 +148,14 @@ def prepare_store(
         record = M.read_json(location, M.record_path(index, parts))
         if record is None or record["data"] != keys.data:  # else this part is there already: on to the merge
             tokenizer, origin, raw = _tokenizer(data_cfg, tok_cfg, objective, inputs["train"], given, parts)
-            special = _special(tokenizer, data_cfg, objective, model_vocab_size)
+            special = tokenizer_for_data(tokenizer, objective, model_vocab_size, data_cfg)
             location.write_bytes(M.TOKENIZER, raw)  # every part writes the same file
             chunks = chunk_bytes or CHUNK_BYTES
             write_part(location, keys, index, parts, inputs, data_cfg, objective, tokenizer, special, chunks)
         manifest = M.merge_parts(location, keys, parts, data_cfg, objective, required=False)
         status = "merged" if manifest is not None else "part"
     tokenizer, _ = _stored_tokenizer(location, data_cfg)
-    prepared = Prepared(objective, tokenizer, _special(tokenizer, data_cfg, objective, model_vocab_size), {})
+    prepared = Prepared(objective, tokenizer, tokenizer_for_data(tokenizer, objective, model_vocab_size, data_cfg), {})
     write_run_files(prepared, run_dir, data_cfg.task)
     seconds = time.perf_counter() - t0
     splits = {
@@ -192,17 +199,6 @@ def _tokenizer_file(tok_cfg: TokenizerConfig) -> Path | None:
         return None
     path = Path(tok_cfg.path)
     return path / "tokenizer.json" if path.is_dir() else path
-
-
-def _special(tokenizer, cfg: DataConfig, objective: str, model_vocab_size):
-    return check_tokenizer(
-        tokenizer,
-        objective,
-        model_vocab_size,
-        block_size=cfg.block_size,
-        noise_density=cfg.noise_density,
-        mean_span_length=cfg.mean_span_length,
-    )
 
 
 def _stored_tokenizer(location: Location, cfg: DataConfig):

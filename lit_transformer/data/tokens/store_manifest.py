@@ -44,8 +44,8 @@ from lit_transformer.data.sources.corpus import objective_kind
 from lit_transformer.data.tokens.cache import CacheEntry, CacheWriter, cache_key, cache_lock, cache_root, open_cache
 from lit_transformer.data.tokens.object_store import InputFile, LocalLocation, Location, open_location, resolve_inputs
 from lit_transformer.data.tokens.pack import num_blocks
-from lit_transformer.data.tokens.prepare import Prepared, block_params
-from lit_transformer.data.tokens.tokenizer import BYTE_LEVEL_PATTERN, check_tokenizer, load_tokenizer
+from lit_transformer.data.tokens.prepare import Prepared, block_params, tokenizer_for_data
+from lit_transformer.data.tokens.tokenizer import BYTE_LEVEL_PATTERN, load_tokenizer
 from lit_transformer.errors import DataError
 
 SHARED_STORE_VERSION = 1  # bump when the layout or the packing rules change
@@ -162,14 +162,7 @@ def open_store(
     tokenizer_path = _tokenizer_file(location, local)
     _check_tokenizer_file(tokenizer_path, manifest, tok_cfg.path)
     tokenizer = load_tokenizer(tokenizer_path)
-    special = check_tokenizer(
-        tokenizer,
-        objective,
-        model_vocab_size,
-        block_size=data_cfg.block_size,
-        noise_density=data_cfg.noise_density,
-        mean_span_length=data_cfg.mean_span_length,
-    )
+    special = tokenizer_for_data(tokenizer, objective, model_vocab_size, data_cfg)
     entries = {
         split: eval_entry(location, manifest, split, local) for split in EVAL_SPLITS if split in manifest["splits"]
     }
