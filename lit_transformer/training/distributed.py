@@ -282,7 +282,7 @@ def eager_outside_the_step(module: nn.Module):
     growing KV cache, ragged batches of choices), each a new graph to compile, which costs far more
     than the few batches it would speed up. Measured on 2 CPU cores with a cold compile cache
     (2026-11-27): a tiny clm run that generates and evaluates at each validation, stopped and
-    resumed (tests/test_option_pairs.py's compiled store row), took 132 s compiling them, 65 s
+    resumed (the option table's compiled store row, tests/option_pairs.py), took 132 s compiling them, 65 s
     not. Validation batches keep one shape and stay compiled. A module with nothing compiled gets
     no context at all: under the stance a tiny model's eager forward took about 2% longer (median
     of 5 rounds of 300 calls)."""

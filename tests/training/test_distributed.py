@@ -275,7 +275,7 @@ def test_materialize_allocates_only_the_meta_tensors():
     """FSDP2's meta-built module is materialised in place; tensors that are already real, like
     torchmetrics' running sums and the defaults its reset() restores, must be left alone: once
     replaced by uninitialised memory, an FSDP run's validation loss began at garbage (inf or NaN
-    in some runs of tests/test_option_pairs.py, depending on what the allocator returned)."""
+    in some runs of tests/test_option_pairs_distributed.py, depending on what the allocator returned)."""
     from torch import nn
 
     from lit_transformer.model import LanguageModel, TransformerConfig
