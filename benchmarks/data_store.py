@@ -6,15 +6,15 @@ epoch and deep into it.
                                     [--steps 200] [--vocab-size 8000] [--tokenizer-mb 8]
                                     [--block-size 128] [--batch-size 32] [--deep 0.9] [--json]
 
-For each corpus size in --sizes (MB; large_corpus.py's builder: its mixed English, German and
-Python documents, repeated with each copy shuffled until the size, 48 invalid bytes; 2048 and
-up is the generated multi-GB corpus):
+For each corpus size in --sizes (MB; mixed_corpus.py's builder, large_corpus.py's corpus: its
+mixed English, German and Python documents, repeated with each copy shuffled until the size, 48
+invalid bytes; 2048 and up is the generated multi-GB corpus):
 1. A tokenizer is trained once on the first --tokenizer-mb MB (not measured) and given to every
    run below (tokenizer.path), so that both paths do the same work but the store's shards.
 2. `lit-transformer prepare recipes/tiny-clm.yaml` into a fresh data.cache_dir, once with
    data.store=cache and once with data.store=litdata (the cache, then the shards written from it
    by every core): wall s, MB/s (corpus MB / wall), CPU s, peak RSS of the largest process and
-   peak PSS of the process tree (large_corpus.measure), and the shards' own seconds.
+   peak PSS of the process tree (process_tree.measure), and the shards' own seconds.
 3. `lit-transformer pretrain` for --steps steps on each prepared cache (no tokenizing: the
    entries are reused), float32, one validation batch at the end, no sample generation, W&B off: train/tokens_per_s,
    median of the logged values after the first 10% of the steps.
@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from large_corpus import QUIET_ENV, REPO, build_corpus, lit_command, measure  # noqa: E402
+from large_corpus import QUIET_ENV, REPO, lit_command  # noqa: E402
+from mixed_corpus import build_corpus  # noqa: E402
+from process_tree import measure  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 

@@ -55,195 +55,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import shutil
-import subprocess
 import sys
-import sysconfig
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "tiny-clm.yaml"
-LINES_PER_DOC = 20  # sentence-per-line files (news, Tatoeba): 20 consecutive lines make one document
-EXCLUDED_DIRS = ("site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__")
 RUN_CLM_VALIDATION_PERCENT = 5  # run_clm.py's --validation_split_percentage default
 QUIET_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
-
-# ---------------------------------------------------------------------------------------------
-# corpus
-
-
-def _utf8(path: Path) -> str | None:
-    raw = path.read_bytes()
-    if b"\x00" in raw or b"\r" in raw:
-        return None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None  # only the injected bytes may be invalid
-
-
-def _paragraphs(text: str) -> list[str]:
-    return [p.strip("\n") for p in re.split(r"\n\s*\n", text) if p.strip()]
-
-
-def _line_documents(text: str) -> list[str]:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return ["\n".join(lines[i : i + LINES_PER_DOC]) for i in range(0, len(lines), LINES_PER_DOC)]
-
-
-def source_documents(data_dir: Path) -> dict[str, list[bytes]]:
-    """Documents (UTF-8, no blank line inside) by language."""
-    docs: dict[str, list[str]] = {"english": [], "german": [], "python": []}
-    for path in sorted(data_dir.glob("wikitext2/*.txt")):
-        if path.name != "SOURCE.txt":
-            docs["english"] += _paragraphs(path.read_text("utf-8"))
-    for path in sorted(data_dir.glob("*/*.en")):
-        docs["english"] += _line_documents(path.read_text("utf-8"))
-    for path in sorted(data_dir.glob("*_de_en/*.de")):
-        docs["german"] += _line_documents(path.read_text("utf-8"))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".py") and (text := _utf8(Path(dirpath) / name)) is not None:
-                docs["python"] += _paragraphs(text)
-    if not docs["english"] or not docs["german"]:
-        raise SystemExit(f"no English or German text under {data_dir} (wikitext2/, *_de_en/): see --data-dir")
-    return {lang: [d.encode("utf-8") for d in items] for lang, items in docs.items()}
-
-
-def build_corpus(data_dir: Path, workdir: Path, mb: float, invalid_bytes: int) -> dict:
-    """Write corpus_clean.txt (shuffled copies of the documents up to `mb` MB) and corpus.txt
-    (the same with `invalid_bytes` 0xFF bytes inserted)."""
-    by_lang = source_documents(data_dir)
-    docs = [d for items in by_lang.values() for d in items]
-    unique = sum(len(d) + 2 for d in docs)
-    target = int(mb * 1e6)
-    clean, messy = workdir / "corpus_clean.txt", workdir / "corpus.txt"
-    written, copies = 0, 0
-    with open(clean, "wb") as f:
-        while written < target:
-            order = list(range(len(docs)))
-            random.Random(copies).shuffle(order)
-            copies += 1
-            for i in order:
-                f.write(docs[i] + b"\n\n")
-                written += len(docs[i]) + 2
-                if written >= target:
-                    break
-    # each 0xFF goes before an ASCII byte: the preceding character is then complete, so each
-    # insertion is exactly one invalid character (never a split multi-byte one)
-    positions = []
-    with open(clean, "rb") as f:
-        for k in range(1, invalid_bytes + 1):
-            f.seek(k * written // (invalid_bytes + 1))
-            chunk = f.read(4096)
-            positions.append(f.tell() - len(chunk) + next(i for i, b in enumerate(chunk) if b < 0x80))
-    with open(clean, "rb") as src, open(messy, "wb") as dst:
-        done = 0
-        for pos in positions + [written]:
-            while done < pos:
-                block = src.read(min(pos - done, 16 << 20))
-                dst.write(block)
-                done += len(block)
-            if pos < written:
-                dst.write(b"\xff")
-    return {
-        "corpus": str(messy),
-        "clean_corpus": str(clean),
-        "mb": round(messy.stat().st_size / 1e6, 2),
-        "copies": round(written / unique, 2),
-        "unique_mb": round(unique / 1e6, 2),
-        "documents": len(docs),
-        "invalid_bytes": invalid_bytes,
-        "composition_mb": {lang: round(sum(len(d) + 2 for d in items) / 1e6, 2) for lang, items in by_lang.items()},
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# measuring a child process
-
-
-def _children_map() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # fields after "(comm)": state, ppid
-            out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def _rss_pss_kb(pid: int) -> tuple[int, int]:
-    rss = pss = 0
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Rss:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("Pss:"):
-                    pss = int(line.split()[1])
-    except OSError:
-        pass
-    return rss, pss
-
-
-class TreeSampler(threading.Thread):
-    """Peak over time of the summed RSS and PSS of a process and all its descendants."""
-
-    def __init__(self, pid: int, interval: float = 0.2):
-        super().__init__(daemon=True)
-        self.pid, self.interval = pid, interval
-        self.peak_rss_kb = self.peak_pss_kb = self.max_processes = 0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            children, tree, stack = _children_map(), [], [self.pid]
-            while stack:
-                pid = stack.pop()
-                tree.append(pid)
-                stack += children.get(pid, [])
-            sizes = [_rss_pss_kb(pid) for pid in tree]
-            self.peak_rss_kb = max(self.peak_rss_kb, sum(r for r, _ in sizes))
-            self.peak_pss_kb = max(self.peak_pss_kb, sum(p for _, p in sizes))
-            self.max_processes = max(self.max_processes, len(tree))
-            self.done.wait(self.interval)
-
-
-def measure(cmd: list[str], log: Path, env: dict, mb: float) -> dict:
-    """Run `cmd` to completion with stdout + stderr into `log`; wall, CPU and memory figures."""
-    with open(log, "wb") as out:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        sampler = TreeSampler(proc.pid)
-        sampler.start()
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage (and its reaped workers')
-        wall = time.perf_counter() - t0
-        sampler.done.set()
-        sampler.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return {
-        "rc": proc.returncode,
-        "wall_s": round(wall, 2),
-        "mb_per_s": round(mb / wall, 2),
-        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-        "peak_rss_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),
-        "tree_rss_gb": round(sampler.peak_rss_kb * 1024 / 1e9, 3),
-        "tree_pss_gb": round(sampler.peak_pss_kb * 1024 / 1e9, 3),
-        "max_processes": sampler.max_processes,
-        "output": log.read_text("utf-8", "replace"),
-    }
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mixed_corpus import build_corpus  # noqa: E402
+from process_tree import measure  # noqa: E402
 
 
 def _tail(text: str, lines: int = 15) -> str:

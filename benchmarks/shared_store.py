@@ -6,7 +6,7 @@ local disk of a run that trains from the object store.
                                       [--files 16] [--steps 200] [--vocab-size 8000] [--tokenizer-mb 8]
                                       [--block-size 128] [--batch-size 32] [--cache-limit 1GB] [--json]
 
-For each corpus size in --sizes (MB; large_corpus.py's builder, as benchmarks/data_store.py uses):
+For each corpus size in --sizes (MB; mixed_corpus.py's builder, as benchmarks/data_store.py uses):
 1. The corpus is cut into --files files at document boundaries (a part takes whole files), and a
    tokenizer is trained once on its first --tokenizer-mb MB (not measured) and given to every
    prepare below (tokenizer.path: parts train none).
@@ -14,7 +14,7 @@ For each corpus size in --sizes (MB; large_corpus.py's builder, as benchmarks/da
    s3://bench/two-<size> by two processes started together with --part 0/2 and --part 1/2 (two
    "nodes" on this machine; the second to finish merges), and into a directory on local disk:
    wall s (both parts: until the last one ends), MB/s, CPU s, peak RSS of the largest process and
-   peak PSS of each process tree (large_corpus.measure).
+   peak PSS of each process tree (process_tree.measure).
 3. `lit-transformer pretrain` for --steps steps from the S3 store and from the directory store:
    train/tokens_per_s (median after the first 10% of the steps), peak RSS and PSS, and the largest
    size of the run's local chunk cache (<cache>/stores/, sampled every 0.2 s) under
@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from large_corpus import QUIET_ENV, REPO, build_corpus, lit_command, measure  # noqa: E402
+from large_corpus import QUIET_ENV, REPO, lit_command  # noqa: E402
+from mixed_corpus import build_corpus  # noqa: E402
+from process_tree import measure  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 

@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lit_transformer.model import LanguageModel
+from lit_transformer.model import LanguageModel, preset
 from lit_transformer.model.config import TransformerConfig
+from lit_transformer.recipe.schema import OptimConfig
 from lit_transformer.training.rundir import read_metrics
 
 V = 99  # odd tiny vocabulary: a transposed axis crashes instead of broadcasting
+B, T = 3, 7  # odd batch and length of the hand-built batches below, for the same reason
 
 # The smallest recipe run that still trains: a 300-token tokenizer on 150 kB of the embedded
 # corpus, blocks of 24 tokens, batch 3, one 24-wide layer, float32 on the CPU; no W&B, no
@@ -80,6 +82,23 @@ VOCAB = {
     "tiny-classify": 400,
     "tiny-gptbert": 400,  # a mixture: clm and mntp rows in every batch
 }
+
+
+# TINY_RUN with dropout on, so that resuming has random draws to get right (the failure tests)
+TINY_DROPOUT_RUN = [*TINY_RUN, "model.dropout=0.1", "optim.warmup_steps=2"]
+
+
+def tiny_dropout_pretrain(run_dir: Path, *extra: str, recipe: str = "tiny-clm") -> list[str]:
+    """The `pretrain` command line of `recipe` at TINY_DROPOUT_RUN's sizes in `run_dir`."""
+    return ["pretrain", str(RECIPES / f"{recipe}.yaml"), *TINY_DROPOUT_RUN, f"run.dir={run_dir}", *extra]
+
+
+def one_error_line(capsys) -> str:
+    """The error line; other stderr lines (progress bars) may precede it, a traceback may not."""
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1] if err else ""
+    assert last.startswith("error: ") and "Traceback" not in err and err.count("error: ") == 1, err
+    return last
 
 
 def pretrain_args(name: str, run_dir: Path, *extra: str) -> list[str]:
@@ -289,3 +308,111 @@ def optional(module: str, extra: str):
         reason = f"{library} is not installed: scripts/install.sh installs it with the '{extra}' extra"
         pytest.skip(reason, allow_module_level=True)
     return importlib.import_module(module)
+
+
+# ----------------------------------------------------------------------------- objective tests
+
+
+def tiny_objective_config(arch: str, **overrides) -> TransformerConfig:
+    """tiny_config at width 30 and d_ff 44, the model of the objective tests."""
+    return tiny_config(arch, **{"d_model": 30, "d_ff": 44, **overrides})
+
+
+def fast_optim(lr: float = 1e-2, **overrides) -> OptimConfig:
+    values = dict(lr=lr, weight_decay=0.0, schedule="constant", warmup_steps=0)
+    values.update(overrides)
+    return OptimConfig(**values)
+
+
+def mlm_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(4, V, (B, T))
+    labels = torch.full((B, T), -100)
+    labels[:, 1::3] = ids[:, 1::3]  # the "masked" positions: 2 per row
+    labels[2, 5] = ids[2, 5]  # an uneven count per row
+    inputs = ids.clone()
+    inputs[labels != -100] = 3  # [MASK]
+    return {
+        "input_ids": inputs,
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+        "labels": labels,
+        "token_type_ids": torch.zeros(B, T, dtype=torch.long),
+    }
+
+
+def clm_batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(4, V, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[2, 5:] = 0  # a right-padded row
+    ids[2, 5:] = 0
+    labels = torch.full((B, T), -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[2, 4:] = -100  # no target after the last real token
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def seq2seq_batch(eos: int = 1, pad: int = 0) -> dict[str, torch.Tensor]:
+    source = torch.randint(4, V, (B, T))
+    source_mask = torch.ones(B, T, dtype=torch.long)
+    source_mask[1, 6:] = 0
+    lengths = [4, 5, 3]  # target tokens before eos
+    T_dec = max(lengths) + 1
+    labels = torch.full((B, T_dec), -100)
+    for row, n in enumerate(lengths):
+        labels[row, :n] = torch.randint(4, V, (n,))
+        labels[row, n] = eos
+    decoder_input_ids = torch.full((B, T_dec), pad)
+    decoder_input_ids[:, 1:] = labels[:, :-1].clamp(min=pad)  # start token (pad, as T5), then labels shifted right
+    decoder_input_ids[decoder_input_ids == -100] = pad
+    decoder_mask = torch.zeros(B, T_dec, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        decoder_mask[row, : n + 1] = 1
+    return {
+        "input_ids": source,
+        "attention_mask": source_mask,
+        "decoder_input_ids": decoder_input_ids,
+        "decoder_attention_mask": decoder_mask,
+        "labels": labels,
+    }
+
+
+# ----------------------------------------------------------------------------- interop tests
+
+
+def _lengths_mask(lengths, length):
+    return (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, T)
+
+
+def padded_interop_batch() -> dict[str, torch.Tensor]:
+    """B rows of T encoder ids right-padded to lengths 7, 5, 3, with token types, and decoder ids
+    right-padded to lengths 5, 4, 2 (padding 0, ids from 3 up), from one seeded generator."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    mask = _lengths_mask((7, 5, 3), T)
+    dec = torch.randint(3, V, (B, 5), generator=g)
+    return {
+        "ids": ids * mask,
+        "mask": mask,
+        "types": torch.randint(0, 3, (B, T), generator=g) * mask,
+        "dec": dec * _lengths_mask((5, 4, 2), 5),
+        "dec_mask": _lengths_mask((5, 4, 2), 5),
+    }
+
+
+@torch.no_grad()
+def perturb(model, seed=0):
+    """Every parameter moved by seeded noise (0.05 std), so that an unmapped bias or a swapped
+    norm weight/bias changes the logits; the model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():  # tied parameters are listed once
+        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def tiny_preset(name, **kw):
+    """Preset `name` at the interop tests' odd sizes (width 48, 3 heads, d_ff 74; T5 d_kv 10)."""
+    sizes = dict(vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74, max_seq_len=16)
+    if name.startswith("t5"):
+        sizes.update(head_dim=10, n_decoder_layers=3, relative_buckets=8, relative_max_distance=20)
+    if name == "tinyllama-1.1b":
+        sizes.update(n_heads=6, n_kv_heads=2)
+    return preset(name, **(sizes | kw))

@@ -1,5 +1,6 @@
-"""Interop with transformers: logits parity both ways (load_pretrained, export_hf), the real
-MiniLM-L6 checkpoint, lit-transformer's own directory format, and the errors.
+"""Interop with transformers: logits parity both ways (load_pretrained, export_hf) for BERT,
+GPT-2, T5 and LLaMA, core configs exported and run by transformers, the real MiniLM-L6
+checkpoint, and the errors of a transformers checkpoint that does not match its config.
 
 Every transformers model here is built from a config with odd sizes (vocab 99, width 48,
 3 heads, d_ff 74, T5 d_kv 10, 2 encoder and 3 decoder layers) and its parameters are then
@@ -16,53 +17,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from helpers import optional
+from helpers import V, optional, padded_interop_batch
+from helpers import perturb as _perturb
+from helpers import tiny_preset as _tiny
 from safetensors.torch import load_file, save_file
 
-from lit_transformer.model import LanguageModel, TransformerConfig, preset
-from lit_transformer.model.config import ConfigError
-from lit_transformer.model.interop.directories import InteropError, export_hf, load_pretrained, save_pretrained
+from lit_transformer.model import LanguageModel
+from lit_transformer.model.interop.directories import InteropError, export_hf, load_pretrained
 
 transformers = optional("transformers", "dev")
 TOL = 1e-4
-V, B, T = 99, 3, 7
-LENGTHS = (7, 5, 3)  # right padding
-DEC_LENGTHS = (5, 4, 2)
 
 transformers.logging.set_verbosity_error()
 
 
-def _mask(lengths, length):
-    return (torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]).long()  # (B, T)
-
-
 @pytest.fixture
 def batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, V, (B, T), generator=g)
-    mask = _mask(LENGTHS, T)
-    dec = torch.randint(3, V, (B, 5), generator=g)
-    return {
-        "ids": ids * mask,
-        "mask": mask,
-        "types": torch.randint(0, 3, (B, T), generator=g) * mask,
-        "dec": dec * _mask(DEC_LENGTHS, 5),
-        "dec_mask": _mask(DEC_LENGTHS, 5),
-    }
+    return padded_interop_batch()  # right-padded encoder and decoder ids, token types
 
 
 def _close(got, want):
     assert got.shape == want.shape
     diff = (got - want).abs().max().item()
     assert diff <= TOL, f"max abs diff {diff:.3g} > {TOL}"
-
-
-@torch.no_grad()
-def _perturb(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    for p in model.parameters():  # tied parameters are listed once
-        p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
 
 
 def _from_pretrained(cls, path):
@@ -288,13 +265,6 @@ def test_llama_roundtrip(tmp_path, batch, tie):
 
 
 # ----------------------------------------------------------------------------- exporting core configs
-def _tiny(name, **kw):
-    sizes = dict(vocab_size=V, d_model=48, n_heads=3, n_layers=2, d_ff=74, max_seq_len=16)
-    if name.startswith("t5"):
-        sizes.update(head_dim=10, n_decoder_layers=3, relative_buckets=8, relative_max_distance=20)
-    if name == "tinyllama-1.1b":
-        sizes.update(n_heads=6, n_kv_heads=2)
-    return preset(name, **(sizes | kw))
 
 
 @pytest.mark.parametrize(
@@ -405,91 +375,7 @@ def test_minilm_with_seeded_mlm_head(minilm, tmp_path):
     _close(load_pretrained(tmp_path / "mlm")(ids, mask), hf(input_ids=ids, attention_mask=mask).logits)
 
 
-# ----------------------------------------------------------------------------- native format
-NATIVE = {
-    "encoder": _tiny("bert-base"),
-    "decoder-untied": _tiny("gpt2-small", tie_embeddings=False),
-    "llama": _tiny("tinyllama-1.1b"),
-    "t5": _tiny("t5-base"),
-    "transformer-base": _tiny("transformer-base"),
-}
-
-
-@pytest.mark.parametrize("name", list(NATIVE))
-@torch.no_grad()
-def test_native_roundtrip(tmp_path, batch, name):
-    cfg = NATIVE[name]
-    torch.manual_seed(0)
-    model = _perturb(LanguageModel.from_config(cfg))
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "tokenizer.json").write_text("{}")  # other files of a run directory stay
-    save_pretrained(model, tmp_path / "run")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary directory left
-    assert (tmp_path / "run" / "tokenizer.json").exists()
-    raw = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert raw["lit_transformer"] == 1 and TransformerConfig.from_dict(raw["model"]) == cfg
-    stored = load_file(tmp_path / "run" / "model.safetensors")
-    assert ("lm_head.decoder.weight" in stored) == (not cfg.tie_embeddings)
-
-    loaded = load_pretrained(tmp_path / "run")
-    assert loaded.config == cfg
-    assert (loaded.lm_head.decoder.weight is loaded.transformer.tokens.weight) == cfg.tie_embeddings
-    for key, value in model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[key], value), key
-    kwargs = {}
-    if cfg.arch == "encoder_decoder":
-        kwargs = dict(decoder_input_ids=batch["dec"], decoder_attention_mask=batch["dec_mask"])
-    assert torch.equal(loaded(batch["ids"], batch["mask"], **kwargs), model(batch["ids"], batch["mask"], **kwargs))
-
-
-def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
-    import lit_transformer.model.interop.directories as interop
-
-    def crash(tensors, filename, metadata=None):
-        open(filename, "wb").write(b"half")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(interop, "save_file", crash)
-    with pytest.raises(KeyboardInterrupt):
-        save_pretrained(LanguageModel(NATIVE["encoder"]), tmp_path / "m")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_native_bfloat16_keeps_ties(tmp_path):
-    save_pretrained(LanguageModel.from_config(NATIVE["encoder"]), tmp_path / "m")
-    model = load_pretrained(tmp_path / "m", dtype=torch.bfloat16)
-    assert model.transformer.tokens.weight.dtype == torch.bfloat16
-    assert model.lm_head.decoder.weight is model.transformer.tokens.weight
-
-
 # ----------------------------------------------------------------------------- errors
-def _write(path, config, tensors=None):
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    if tensors is not None:
-        save_file(tensors, str(path / "model.safetensors"))
-    return path
-
-
-def test_missing_paths(tmp_path):
-    with pytest.raises(InteropError, match="no such model directory"):
-        load_pretrained(tmp_path / "nowhere")
-    with pytest.raises(InteropError, match=r"config\.json: missing"):
-        load_pretrained(tmp_path)
-    with pytest.raises(InteropError, match=r"no weights found \(looked for model\.safetensors"):
-        load_pretrained(_write(tmp_path / "hf", {"model_type": "gpt2"}))
-    with pytest.raises(InteropError, match=r"model\.safetensors: missing"):
-        load_pretrained(_write(tmp_path / "ours", {"lit_transformer": 1, "model": NATIVE["encoder"].to_dict()}))
-
-
-def test_unsupported_family(tmp_path):
-    with pytest.raises(InteropError, match=r"unsupported model_type 'roberta'; supported: bert, gpt2, t5, llama"):
-        load_pretrained(_write(tmp_path / "r", {"model_type": "roberta"}, {}))
-    with pytest.raises(InteropError, match=r"unsupported architecture 'BertForSequenceClassification'"):
-        config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"]}
-        load_pretrained(_write(tmp_path / "c", config, {}))
-
-
 def test_transformers_checkpoint_missing_or_unexpected(tmp_path):
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(_gpt2_config()).save_pretrained(tmp_path / "hf")
@@ -515,22 +401,3 @@ def test_transformers_checkpoint_wrong_shape(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"n_positions": 12}))
     with pytest.raises(InteropError, match=r"transformer\.wpe\.weight has shape \(11, 48\).*\(12, 48\)"):
         load_pretrained(tmp_path / "hf")
-
-
-def test_native_missing_unexpected_and_unknown_key(tmp_path):
-    save_pretrained(LanguageModel.from_config(NATIVE["encoder"]), tmp_path / "m")
-    tensors = load_file(tmp_path / "m" / "model.safetensors")
-    del tensors["transformer.encoder.blocks.1.ffn.up.bias"]
-    tensors["transformer.encoder.blocks.9.ffn.up.bias"] = torch.zeros(74)
-    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
-    with pytest.raises(
-        InteropError,
-        match=r"missing 1: transformer\.encoder\.blocks\.1\.ffn\.up\.bias; "
-        r"unexpected 1: transformer\.encoder\.blocks\.9\.ffn\.up\.bias",
-    ):
-        load_pretrained(tmp_path / "m")
-    raw = json.loads((tmp_path / "m" / "config.json").read_text())
-    raw["model"]["d_modle"] = raw["model"].pop("d_model")
-    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=r"d_modle.*did you mean `d_model`"):
-        load_pretrained(tmp_path / "m")
