@@ -193,8 +193,7 @@ def test_embedded_classification_task(tmp_path):
     assert sizes["train"] >= 8 * 100 and sizes["validation"] >= 8 * 20
     texts = {k: {ex["text"] for ex in v} for k, v in splits.items()}
     assert not texts["train"] & texts["validation"] and not texts["train"] & texts["test"]
-    stdlib.classification_examples.cache_clear()
-    assert stdlib.classification_examples() == splits  # a second build gives the same split
+    assert stdlib._classification_examples() == splits  # a second build gives the same split
 
     # learnable well above the 12.5% majority baseline: multinomial naive Bayes on words
     words = lambda t: re.findall(r"[a-z]+", t.lower())  # noqa: E731
@@ -240,6 +239,30 @@ def test_embedded_seq2seq_task(tmp_path):
     assert set(batch) == {"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels"}
     assert batch["input_ids"].shape[1] <= 24 and batch["labels"].shape[1] <= 8
     assert (batch["decoder_input_ids"][:, 0] == dm.special_tokens.pad_id).all()
+
+
+def test_the_embedded_tasks_are_kept_whole_between_processes(tmp_path, monkeypatch):
+    """The parsed tasks are written once to the cache folder, read back by the next process
+    (here: the next call), rebuilt where the file is damaged, and only built where the folder
+    cannot be written."""
+    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path / "cache"))
+    builds = []
+
+    def build():
+        builds.append(1)
+        return {"train": [{"source": "Return the sum.", "target": f"add{len(builds)}"}]}
+
+    first = stdlib._kept("seq2seq", build)
+    (kept,) = (tmp_path / "cache" / "stdlib-tasks").iterdir()
+    assert kept.name.startswith("seq2seq-") and json.loads(kept.read_text()) == first
+    assert stdlib._kept("seq2seq", build) == first and len(builds) == 1  # read, not built
+    assert [p.name for p in kept.parent.iterdir()] == [kept.name]  # no temporary file left
+    kept.write_text('{"train": [')  # cut short
+    assert stdlib._kept("seq2seq", build)["train"][0]["target"] == "add2" and len(builds) == 2
+    assert json.loads(kept.read_text())["train"][0]["target"] == "add2"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path / "file" / "cache"))  # not a folder
+    assert stdlib._kept("seq2seq", build)["train"][0]["target"] == "add3"
 
 
 def test_bytes_per_token_counts_documents_not_padding(tmp_path):

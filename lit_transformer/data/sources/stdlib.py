@@ -11,6 +11,11 @@ tests train on real text offline.
   they come from, for `CLASSIFY_PACKAGES`; balanced by a per-class cap; split 70/15/15 by a
   stable hash of the docstring.
 - Seq2seq: a function's docstring summary line -> the function's name.
+
+The two tasks parse about 600 files with `ast` (about 4 s on one core). Each process needs them
+(the token cache, the `choice` evaluation and the classify probe read them), so they are kept as
+JSON in the token cache's folder (`$LIT_TRANSFORMER_CACHE` or ~/.cache/lit_transformer,
+`stdlib-tasks/`), named by `task_fingerprint`: another Python's standard library is another file.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import json
 import os
 import sysconfig
+import tempfile
 from pathlib import Path
+
+from lit_transformer.data.tokens.cache import cache_root
 
 EXCLUDED_DIRS = ("site-packages", "test", "tests", "idle_test", "__pycache__")
 MIN_VAL_FILES = 4
@@ -129,9 +138,39 @@ def _docstrings(package: str):
                     stack.append((child, qual + "."))
 
 
+def _kept(kind: str, build) -> dict[str, list[dict]]:
+    """build(), or its JSON kept from an earlier process. The file is written whole (a temporary
+    file renamed); where the folder is not writable the examples are only built."""
+    key = hashlib.sha256(json.dumps(task_fingerprint(kind)).encode()).hexdigest()[:16]
+    path = cache_root(None) / "stdlib-tasks" / f"{kind}-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    examples = build()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+            json.dump(examples, file)
+        os.replace(file.name, path)
+    except OSError:
+        pass
+    return examples
+
+
 @functools.lru_cache(maxsize=1)
 def classification_examples() -> dict[str, list[dict]]:
     """{'train'|'validation'|'test': [{'text', 'label'}]}: balanced, deterministic."""
+    return _kept("classify", _classification_examples)
+
+
+@functools.lru_cache(maxsize=1)
+def seq2seq_examples() -> dict[str, list[dict]]:
+    """{'train'|'validation'|'test': [{'source': summary line, 'target': function name}]}."""
+    return _kept("seq2seq", _seq2seq_examples)
+
+
+def _classification_examples() -> dict[str, list[dict]]:
     by_label: dict[str, dict[str, None]] = {}
     owner: dict[str, set] = {}
     for package in CLASSIFY_PACKAGES:
@@ -160,9 +199,7 @@ def classification_examples() -> dict[str, list[dict]]:
     return splits
 
 
-@functools.lru_cache(maxsize=1)
-def seq2seq_examples() -> dict[str, list[dict]]:
-    """{'train'|'validation'|'test': [{'source': summary line, 'target': function name}]}."""
+def _seq2seq_examples() -> dict[str, list[dict]]:
     seen: dict[str, str] = {}
     # encodings/ is 120 generated codecs with the same docstrings
     packages = sorted({rel.split("/")[0] for rel, _ in stdlib_files() if "/" in rel} - {"encodings"})
