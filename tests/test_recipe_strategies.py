@@ -8,9 +8,9 @@ every test passed, because the distributed tests ran their own trimmed configura
   trains a few steps on 2 gloo processes under `ddp` and under `fsdp` through the command line,
   as shipped: its eval section (each entry capped to a few examples, its kind, mode token and
   options kept), its sample generation, its precision, its averaging and its `auto` sizing.
-  Only sizes change (SHRINK): less text, fewer steps, shorter generations. One subprocess per
-  strategy trains every recipe in turn (Lightning starts rank 1 by running the script again);
-  each test reads one recipe's run directory.
+  Only sizes change (SHRINK): less text, fewer steps, shorter generations. One subprocess
+  trains every recipe under ddp, then under fsdp (Lightning starts rank 1 by running the script
+  again); each test reads one recipe's run directory.
 - every paper-scale recipe builds its objective on the meta device under both strategies, and
   under fsdp is sharded as configure_model shards it (on a fake 2-rank process group: shapes only).
 """
@@ -138,27 +138,20 @@ for args in json.loads(Path(sys.argv[1]).read_text()):
 """
 
 
-def _matrix(strategy: str, tmp_path_factory) -> tuple[Path, str]:
-    """(the folder of the strategy's runs, what went wrong or ""): every recipe trains in one
-    2-process job; a failure is kept, not raised, so that each recipe's test says what it did."""
-    out = tmp_path_factory.mktemp(f"recipes-{strategy}")
-    (out / "commands.json").write_text(json.dumps(commands(strategy, out)))
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> tuple[Path, str]:
+    """(the folder of the runs, what went wrong or ""): every recipe under each strategy in turn,
+    all in one 2-process job (one launch: each process spends seconds importing torch and
+    Lightning); a failure is kept, not raised, so that each recipe's test says what it did."""
+    out = tmp_path_factory.mktemp("recipes")
+    every = [args for strategy in STRATEGIES for args in commands(strategy, out / strategy)]
+    (out / "commands.json").write_text(json.dumps(every))
     (out / "run.py").write_text(_SCRIPT)
     try:
         run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
     except AssertionError as error:
         return out, str(error)
     return out, ""
-
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> tuple[Path, str]:
-    return _matrix("ddp", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def fsdp(tmp_path_factory) -> tuple[Path, str]:
-    return _matrix("fsdp", tmp_path_factory)
 
 
 def test_every_recipe_is_in_one_list():
@@ -170,9 +163,9 @@ def test_every_recipe_is_in_one_list():
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", CPU_RECIPES)
-def test_recipe_trains_as_shipped(request, name, strategy):
-    out, failure = request.getfixturevalue(strategy)
-    run_dir, refusal_file = out / name, out / f"{name}.refused"
+def test_recipe_trains_as_shipped(matrix, name, strategy):
+    out, failure = matrix
+    run_dir, refusal_file = out / strategy / name, out / strategy / f"{name}.refused"
     refusal = refused(name, strategy)
     if refusal is not None:  # one line naming the key, and nothing written
         err = refusal_file.read_text().strip()
