@@ -1,5 +1,5 @@
-"""The option table's ddp and fsdp rows (tests/option_pairs.py): one 2-process job per strategy
-trains its rows one after another; each test checks one row's run and the commands that follow."""
+"""The option table's ddp and fsdp rows (tests/option_pairs.py): one 2-process job trains them
+one after another; each test checks one row's run and the commands that follow."""
 
 from __future__ import annotations
 
@@ -24,31 +24,24 @@ for args in json.loads(open(sys.argv[1]).read()):
 """
 
 
-def _two_processes(strategy: str, tmp_path_factory) -> Path:
-    """Every row of the strategy, stopped and resumed, in one 2-process run (Lightning starts
-    rank 1 by running the script again, so the script holds all of them)."""
-    out = tmp_path_factory.mktemp(strategy)
-    commands = [args for row in RUNS if row.strategy == strategy for args in stop_and_resume(row, out / row.id)]
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """Every ddp row, then every fsdp row, each stopped and resumed, in one 2-process run
+    (Lightning starts rank 1 by running the script again, so the script holds all of them; one
+    launch, as each process spends seconds importing torch and Lightning)."""
+    out = tmp_path_factory.mktemp("two")
+    rows = [row for strategy in ("ddp", "fsdp") for row in RUNS if row.strategy == strategy]
+    commands = [args for row in rows for args in stop_and_resume(row, out / row.id)]
     (out / "commands.json").write_text(json.dumps(commands))
     (out / "run.py").write_text(_SCRIPT)
-    run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 600)
+    run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
     return out
-
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> Path:
-    return _two_processes("ddp", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def fsdp(tmp_path_factory) -> Path:
-    return _two_processes("fsdp", tmp_path_factory)
 
 
 @pytest.mark.distributed
 @pytest.mark.usefixtures("one_thread", "private_cache")
 @pytest.mark.parametrize("row", [r for r in RUNS if r.strategy != "single"], ids=lambda r: r.id)
-def test_two_process_row(row, request, tmp_path, capsys):
-    run_dir = request.getfixturevalue(row.strategy) / row.id
+def test_two_process_row(row, two_processes, tmp_path, capsys):
+    run_dir = two_processes / row.id
     check_run(row, run_dir)
     follow_up(row, run_dir, tmp_path, capsys)
