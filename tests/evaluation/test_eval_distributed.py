@@ -94,16 +94,18 @@ from lit_transformer.commands.train import train
 from lit_transformer.data.sources.stdlib import seq2seq_examples
 from lit_transformer.recipe.load import load_recipe
 
-strategy, out, recipe, common = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
+root, recipe, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning sets it in the process it launches
-two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
-runs = {"evaluated": (recipe, common)}
-if strategy == "ddp":  # the same training without the eval section
-    runs["plain"] = (recipe, [*common, "eval=[]"])
-for name, (path, args) in runs.items():
-    record = Record(out / name / "record")
-    returned = train(load_recipe(path, [*args, *two, f"run.dir={out / name}"]), callbacks=[record], progress_bar=False)
-    record.write(rank, returned)
+for strategy in ("ddp", "fsdp"):  # one launch: each process spends seconds on its imports
+    out = root / strategy
+    two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
+    runs = {"evaluated": (recipe, common)}
+    if strategy == "ddp":  # the same training without the eval section
+        runs["plain"] = (recipe, [*common, "eval=[]"])
+    for name, (path, args) in runs.items():
+        record = Record(out / name / "record")
+        cfg = load_recipe(path, [*args, *two, f"run.dir={out / name}"])
+        record.write(rank, train(cfg, callbacks=[record], progress_bar=False))
 """
 )
 
@@ -136,22 +138,25 @@ def single(tmp_path_factory, setup) -> Path:
     return out
 
 
-def _two_processes(strategy: str, out: Path, setup: tuple[Path, Path]) -> Path:
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, single, setup) -> Path:
+    """The ddp runs and then the fsdp run, in one 2-process launch: <folder>/ddp, <folder>/fsdp."""
     recipe, cache = setup
+    out = tmp_path_factory.mktemp("two")
     script = out / "run.py"
     script.write_text(_SCRIPT)
-    run_two_ranks(script, [strategy, str(out), str(recipe), json.dumps(COMMON)], cache, out, timeout=300)
+    run_two_ranks(script, [str(out), str(recipe), json.dumps(COMMON)], cache, out, timeout=500)
     return out
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory, single, setup) -> Path:
-    return _two_processes("ddp", tmp_path_factory.mktemp("ddp"), setup)
+def ddp(two_processes) -> Path:
+    return two_processes / "ddp"
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, single, setup) -> Path:
-    return _two_processes("fsdp", tmp_path_factory.mktemp("fsdp"), setup)
+def fsdp(two_processes) -> Path:
+    return two_processes / "fsdp"
 
 
 def _records(run: Path, ranks: int) -> list[dict]:

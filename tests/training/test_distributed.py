@@ -3,7 +3,7 @@ against one process with the same global batch; sharded checkpoints that resume 
 that export, evaluate and generate read; ranks that see disjoint data.
 
 data.batch_size is per device, so the one-process reference uses 2 x 3 = 6. The 2-process runs
-happen in one subprocess per strategy (Lightning launches the second rank itself by running
+happen in one subprocess, ddp then fsdp (Lightning launches the second rank itself by running
 the script again), which trains the objectives one after another; each rank records its losses,
 loss-token counts and example rows per step. The loss of a global batch is the plain mean of
 the ranks' losses (each rank divides its summed token loss by the global token count / 2).
@@ -91,17 +91,20 @@ from lit_transformer.recipe.load import load_recipe
 from helpers import StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
 from lit_transformer.commands.train import train
 
-strategy, out, recipes, common = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
-objectives, extra = json.loads(sys.argv[5]), json.loads(sys.argv[6])
-two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
-for name in objectives:
-    cfg = load_recipe(recipes / f"tiny-{name}.yaml", [*common, *extra.get(name, []), *two, f"run.dir={out / name}"])
-    train(cfg, callbacks=[Record(out / name / "record")], progress_bar=False)
-if strategy == "fsdp":  # stop after step 1, resume from the sharded checkpoint
-    args = [*common, *two, f"run.dir={out / 'resumed'}", "trainer.checkpoint_every_n_steps=1"]
-    train(load_recipe(recipes / "tiny-clm.yaml", args), callbacks=[StopAt(1)], progress_bar=False)
-    cfg = load_recipe(recipes / "tiny-clm.yaml", [*args, "resume=auto"])
-    train(cfg, callbacks=[Record(out / "resumed" / "record")], progress_bar=False)
+root, recipes, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+objectives, extra = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+for strategy in ("ddp", "fsdp"):  # one launch: each process spends seconds on its imports
+    out = root / strategy
+    two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
+    for name in objectives:
+        args = [*common, *extra.get(name, []), *two, f"run.dir={out / name}"]
+        cfg = load_recipe(recipes / f"tiny-{name}.yaml", args)
+        train(cfg, callbacks=[Record(out / name / "record")], progress_bar=False)
+    if strategy == "fsdp":  # stop after step 1, resume from the sharded checkpoint
+        args = [*common, *two, f"run.dir={out / 'resumed'}", "trainer.checkpoint_every_n_steps=1"]
+        train(load_recipe(recipes / "tiny-clm.yaml", args), callbacks=[StopAt(1)], progress_bar=False)
+        cfg = load_recipe(recipes / "tiny-clm.yaml", [*args, "resume=auto"])
+        train(cfg, callbacks=[Record(out / "resumed" / "record")], progress_bar=False)
 """
 )
 
@@ -128,22 +131,25 @@ def single(tmp_path_factory, cache) -> Path:
     return out
 
 
-def _two_processes(strategy: str, out: Path, cache: Path) -> Path:
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, single, cache) -> Path:
+    """The ddp runs and then the fsdp runs, in one 2-process launch: <folder>/ddp, <folder>/fsdp."""
+    out = tmp_path_factory.mktemp("two")
     script = out / "run.py"
     script.write_text(_SCRIPT)
-    args = [strategy, str(out), str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
-    run_two_ranks(script, args, cache, out, timeout=400)
+    args = [str(out), str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
+    run_two_ranks(script, args, cache, out, timeout=600)
     return out
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory, single, cache) -> Path:
-    return _two_processes("ddp", tmp_path_factory.mktemp("ddp"), cache)
+def ddp(two_processes) -> Path:
+    return two_processes / "ddp"
 
 
 @pytest.fixture(scope="module")
-def fsdp(tmp_path_factory, single, cache) -> Path:
-    return _two_processes("fsdp", tmp_path_factory.mktemp("fsdp"), cache)
+def fsdp(two_processes) -> Path:
+    return two_processes / "fsdp"
 
 
 def _records(run: Path, ranks: int) -> list[list[dict]]:
