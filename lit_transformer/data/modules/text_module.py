@@ -486,9 +486,9 @@ class TextDataModule(RankedDataModule):
         return self._store
 
     def _chunk_cache(self) -> str | None:
-        """Where a shared store's chunks are cached on this node (bounded: data.store_cache_limit)."""
+        """This rank's own chunk cache (data.store_cache_limit): two ranks sharing one raced on litdata's index."""
         key = self._prepared.store_key
-        return str(cache_root(self.data.cache_dir) / "stores" / key[:32] / "chunks") if key else None
+        return str(cache_root(self.data.cache_dir) / "stores" / key[:32] / "chunks" / f"r{self.rank}") if key else None
 
     def _saved_store_order(self) -> tuple | None:
         """The layout the resumed epoch's order was cut for (older checkpoints: as saved, nodes and workers as now)."""
