@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import lightning as L
 import pytest
 import torch
-from helpers import B, T, V, clm_batch, fast_optim, mlm_batch, seq2seq_batch
+from helpers import B, T, V, clm_batch, fast_optim, mlm_batch, run_two_ranks, seq2seq_batch
 from helpers import tiny_objective_config as tiny
 from torch.utils.data import DataLoader
 
@@ -279,17 +276,7 @@ def test_fsdp2_two_processes_skip_a_nonfinite_step_together(tmp_path):
     untouched, and training then proceeds."""
     script = tmp_path / "fsdp_run.py"
     script.write_text(_FSDP_SCRIPT)
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(20000 + os.getpid() % 20000),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-    )
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=240)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"report_{rank}.json").read_text())
         assert report["sharded"] and report["tied"]

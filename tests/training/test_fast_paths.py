@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, seeded_model, tiny_config
+from helpers import TINY_RUN, run_two_ranks, seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
@@ -377,17 +377,7 @@ def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
     on): the same per-step losses on every rank as without checkpointing."""
     script = tmp_path / "fsdp_ac.py"
     script.write_text(_FSDP_SCRIPT)
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(21000 + os.getpid() % 20000),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-    )
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=240)
     for rank in (0, 1):
         plain = json.loads((tmp_path / f"report_0_{rank}.json").read_text())
         checkpointed = json.loads((tmp_path / f"report_1_{rank}.json").read_text())
