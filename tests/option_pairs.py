@@ -30,7 +30,7 @@ names the key the one-line error must name) checks that refusal for exactly that
               trains the ddp rows and then the fsdp rows one after another
   generation  on = sample generation at each validation (clm, span, seq2seq), and BLEU for
               seq2seq; mlm and classify generate nothing, so only `off` applies to them
-  compile     trainer.compile (torch.compile per block); checkpointing =
+  compile     trainer.compile (the whole step, or per block with checkpointing or fsdp); checkpointing =
               trainer.activation_checkpointing; accumulate = trainer.accumulate_grad_batches
   averaging   ema = trainer.ema_decay (not under fsdp); last = trainer.average_last=2
   warmup      seqlen = data.block_warmup_steps (clm, mlm only); batch = data.batch_warmup_steps

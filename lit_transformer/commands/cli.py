@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -445,6 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from lit_transformer.model.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "debug", False):
+        # trainer.compile's graph breaks and recompilations (training/compiled_step.py); read by
+        # torch when it is first imported, which the commands do after this
+        os.environ.setdefault("TORCH_LOGS", "graph_breaks,recompiles")
     try:
         args.handler(args)
         return 0

@@ -21,6 +21,7 @@ from lit_transformer.recipe.schema import OptimConfig
 
 @implements("clm")
 class CausalLM(ObjectiveBase):
+    compiles_whole_step = True  # its losses go through loss_terms
     reports_bits_per_byte = True  # every token of the text, predicted in order
 
     def __init__(
@@ -74,7 +75,7 @@ class CausalLM(ObjectiveBase):
         return generate(self.model, input_ids, attention_mask, max_new_tokens=max_new_tokens, **kwargs)
 
     def _terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
-        return causal_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
+        return self.loss_terms(causal_terms, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
 def causal_terms(

@@ -23,6 +23,8 @@ from lit_transformer.recipe.schema import OptimConfig
 
 @implements("mlm")
 class MaskedLM(ObjectiveBase):
+    compiles_whole_step = True  # its losses go through loss_terms
+
     def __init__(
         self,
         model: TransformerConfig | LanguageModel | dict,
@@ -82,7 +84,7 @@ class MaskedLM(ObjectiveBase):
         return masked_logits(self.model, batch)
 
     def _masked_terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
-        return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
+        return self.loss_terms(masked_terms, batch, label_smoothing, z_loss=z_loss)
 
     @staticmethod
     def _tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:

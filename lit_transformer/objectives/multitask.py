@@ -53,6 +53,8 @@ _MASKED = ("mlm", "mntp")
 
 @implements(MIXTURE)
 class MultiTaskLM(ObjectiveBase):
+    compiles_whole_step = True  # its losses go through loss_terms
+
     def __init__(
         self,
         model: TransformerConfig | LanguageModel | dict,
@@ -129,8 +131,8 @@ class MultiTaskLM(ObjectiveBase):
         """A batch of every task's rows (mixture.mixing=row): one loss over all their targets."""
         accuracy = [self._accuracy_name(task) is not None for task in self.tasks]
         fused = self.fuse_head_and_loss()
-        terms = row_terms(
-            self.model, batch, self.optim.label_smoothing, fused=fused, accuracy=accuracy, z_loss=self.optim.z_loss
+        terms = self.loss_terms(
+            row_terms, batch, self.optim.label_smoothing, fused=fused, accuracy=accuracy, z_loss=self.optim.z_loss
         )
         count = sum(term[2] for term in terms)
         n = self.token_normalizer(count)
@@ -216,12 +218,12 @@ class MultiTaskLM(ObjectiveBase):
         """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""
         objective = task["objective"]
         if objective in _MASKED:  # mntp's collator put each target at the position before its token
-            return masked_terms(self.model, batch, label_smoothing, z_loss=z_loss)
+            return self.loss_terms(masked_terms, batch, label_smoothing, z_loss=z_loss)
         fused = self.fuse_head_and_loss()
         if self.encoder_decoder:  # span, seq2seq, and prefix LM as encode-the-prefix, decode-the-rest
-            return seq2seq_terms(self.model, batch, label_smoothing, fused=fused, z_loss=z_loss)
-        loss_sum, nll_sum, count = causal_terms(
-            self.model, batch, label_smoothing, fused=fused, z_loss=z_loss
+            return self.loss_terms(seq2seq_terms, batch, label_smoothing, fused=fused, z_loss=z_loss)
+        loss_sum, nll_sum, count = self.loss_terms(
+            causal_terms, batch, label_smoothing, fused=fused, z_loss=z_loss
         )  # clm, prefix_lm
         return loss_sum, nll_sum, count, torch.zeros((), device=count.device)
 

@@ -35,6 +35,7 @@ Shape legend: B batch, T length.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, TypedDict, Unpack
 
 import lightning as L
@@ -47,6 +48,7 @@ from lit_transformer.objectives.metrics import bits_per_byte
 from lit_transformer.objectives.optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 from lit_transformer.training.checkpoints import MODEL_CONFIG_KEY, OBJECTIVE_KEY
+from lit_transformer.training.compiled_step import CompileScope, compile_scope, run_compiled
 from lit_transformer.training.distributed import prepare_blocks, total_norm
 from lit_transformer.training.throughput import StepWork, Throughput
 
@@ -73,7 +75,9 @@ class ObjectiveOptions(TypedDict, total=False):
     skip_nonfinite            skip (and count) optimizer steps whose loss or gradients are not finite
     activation_checkpointing  recompute each Block in backward instead of keeping its activations
                               (memory for about one more forward pass)
-    compile                   torch.compile every Block (identical blocks share one graph)
+    compile                   torch.compile the training step: its whole loss computation as one
+                              graph, or each Block under FSDP2 or activation checkpointing
+                              (training/compiled_step.py)
     max_time                  seconds of training (trainer.max_time) the linear and cosine
                               schedules decay over, read from `train_clock`; None: max_steps
     """
@@ -131,6 +135,8 @@ class ObjectiveBase(L.LightningModule):
         self.skip_nonfinite = options["skip_nonfinite"]
         self.activation_checkpointing = options["activation_checkpointing"]
         self.compile_blocks = options["compile"]  # not `self.compile`: that is nn.Module.compile
+        # what trainer.compile compiles, decided in configure_model once the strategy is known
+        self.compile_scope: CompileScope | None = None
         self.max_time = options["max_time"]
         # seconds of training so far (run by training.TimeBudget, saved in checkpoints)
         self.train_clock = TrainingClock()
@@ -144,6 +150,9 @@ class ObjectiveBase(L.LightningModule):
     # loss / ln 2 / bytes per token is the text's bits per byte (bpb). A masked or span loss
     # covers only the corrupted tokens, each seen with the rest of the text: no bpb.
     reports_bits_per_byte: bool = False
+    # Whether every loss of training_step goes through `loss_terms`, so that trainer.compile
+    # may compile the whole step as one graph (training/compiled_step.py); else it compiles blocks.
+    compiles_whole_step: bool = False
 
     @property
     def objective_name(self) -> str | None:
@@ -227,6 +236,14 @@ class ObjectiveBase(L.LightningModule):
         total = count.detach().to(torch.float64).clone()
         torch.distributed.all_reduce(total)
         return (total / world).clamp(min=1).to(count.device)
+
+    def loss_terms(self, terms: Callable, batch: dict[str, Any], *args: Any, **kwargs: Any):
+        """`terms(self.model, batch, *args, **kwargs)`, one of the objectives' loss-terms
+        functions: in a training step whose whole step compiles (compiled_step.py) through its
+        compiled graph, else eagerly (evaluation runs eagerly: its last batch has another shape)."""
+        if self.compile_scope == "step" and torch.is_grad_enabled():
+            return run_compiled(terms, self.model, batch, *args, **kwargs)
+        return terms(self.model, batch, *args, **kwargs)
 
     def fuse_head_and_loss(self) -> bool:
         """Whether the LM head's last projection and the loss run fused (fused_loss.py): in
@@ -389,12 +406,19 @@ class ObjectiveBase(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
-        """Activation checkpointing and compile per Block, then FSDP2 sharding under Lightning's
-        ModelParallelStrategy (distributed.prepare_blocks); calling it again changes nothing."""
+        """The compile scope (compiled_step.py), activation checkpointing and per-Block compile,
+        then FSDP2 sharding under Lightning's ModelParallelStrategy (distributed.prepare_blocks);
+        calling it again changes nothing."""
+        self.compile_scope = compile_scope(
+            compile=self.compile_blocks,
+            activation_checkpointing=self.activation_checkpointing,
+            sharded=self.device_mesh is not None,
+            whole_step=self.compiles_whole_step,
+        )
         prepare_blocks(
             self,
             activation_checkpointing=self.activation_checkpointing,
-            compile=self.compile_blocks,
+            compile=self.compile_scope == "blocks",
             mesh=self.device_mesh,
         )
 

@@ -32,6 +32,8 @@ Task = Literal["span", "seq2seq"]
 
 @implements("span", "seq2seq")
 class Seq2SeqLM(ObjectiveBase):
+    compiles_whole_step = True  # its losses go through loss_terms
+
     def __init__(
         self,
         model: TransformerConfig | LanguageModel | dict,
@@ -243,7 +245,7 @@ class Seq2SeqLM(ObjectiveBase):
         return hypotheses, references
 
     def _terms(self, batch, label_smoothing: float, z_loss: float = 0.0):
-        return seq2seq_terms(self.model, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
+        return self.loss_terms(seq2seq_terms, batch, label_smoothing, fused=self.fuse_head_and_loss(), z_loss=z_loss)
 
 
 def seq2seq_terms(

@@ -193,7 +193,11 @@ class TrainerConfig:
     # torch's CPU threads (None: its default, one per core). Tiny models gain little from a
     # second thread and lose several times over when other processes share the cores.
     num_threads: int | None = None
-    compile: bool = False  # torch.compile each Transformer block (inductor; needs a C++ compiler on CPU)
+    # torch.compile the training step: its whole loss as one graph, or each Transformer block under
+    # FSDP2 or activation checkpointing (training/compiled_step.py; inductor needs a C++ compiler on CPU)
+    compile: bool = False
+    # the blocks' matrix products in float8 (torchao; H100/H200-class GPUs only: training/float8.py)
+    float8: bool = False
     activation_checkpointing: bool = False  # recompute each block in backward: memory for ~1 more forward
     # stop after this many optimizer steps in a row were skipped for a non-finite loss or gradient
     nonfinite_patience: int = 10

@@ -286,6 +286,7 @@ def eager_outside_the_step(module: nn.Module):
     not. Validation batches keep one shape and stay compiled. A module with nothing compiled gets
     no context at all: under the stance a tiny model's eager forward took about 2% longer (median
     of 5 rounds of 300 calls)."""
-    if any(getattr(sub, "_compiled_call_impl", None) is not None for sub in module.modules()):
+    compiled_step = getattr(module, "compile_scope", None) == "step"  # compiled_step.py
+    if compiled_step or any(getattr(sub, "_compiled_call_impl", None) is not None for sub in module.modules()):
         return torch.compiler.set_stance("force_eager")
     return contextlib.nullcontext()

@@ -32,6 +32,7 @@ from lit_transformer.training.callbacks import (
 )
 from lit_transformer.training.checkpoints import AtomicCheckpointIO
 from lit_transformer.training.distributed import FSDP2Strategy, is_main_process
+from lit_transformer.training.float8 import Float8Training, check_float8
 from lit_transformer.training.rundir import CHECKPOINT_DIR, CSV_DIR, WANDB_DIR, WANDB_ID_FILE
 
 # ----------------------------------------------------------------------------- strategy
@@ -57,10 +58,13 @@ def build_strategy(t: TrainerConfig) -> Any:
 
 def check_precision(t: TrainerConfig) -> None:
     """16-mixed needs a GPU: on CPU Lightning would autocast to float16, which the CPU kernels
-    run slowly and without the loss scaling that keeps fp16 gradients finite."""
+    run slowly and without the loss scaling that keeps fp16 gradients finite. float8 needs a
+    GPU with float8 matrix units (training/float8.py)."""
     on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
     if t.precision == "16-mixed" and on_cpu:
         raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
+    if t.float8:
+        check_float8(t.accelerator)
 
 
 # ----------------------------------------------------------------------------- loggers
@@ -204,6 +208,8 @@ def build_callbacks(
         callbacks.append(ProgressBar(t.max_time))
     if t.keep_freed_memory:
         callbacks.append(KeepFreedMemory())
+    if t.float8:
+        callbacks.append(Float8Training())
     callbacks += list(extra)
     if t.ema_decay is not None:  # last: see WeightsEMA
         callbacks.append(WeightsEMA(decay=t.ema_decay))

@@ -1,5 +1,6 @@
 """Fast paths and their options: the objectives' options (per-block activation checkpointing, alone
-and under FSDP2 with 2 gloo processes; per-block torch.compile) and the core's fast paths
+and under FSDP2 with 2 gloo processes, where torch.compile compiles per block too; the whole
+compiled step: test_compiled_step.py) and the core's fast paths
 (stacked projections, dropped all-ones masks, batch-shared position biases, CPU bf16
 attention as two matrix products), each against the plain computation it replaces.
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_RUN, run_two_ranks, seeded_model, tiny_config
+from helpers import run_two_ranks, seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
@@ -160,75 +161,6 @@ def test_checkpoint_block_refuses_other_modules():
         checkpoint_block(torch.nn.Linear(3, 5))
 
 
-@pytest.mark.slow
-def test_compile_runs_a_step_and_matches_eager():
-    """torch.compile per block (inductor on CPU); measured about 25 s for the first step here."""
-    cfg = tiny("decoder", dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    eager = PlainLM(cfg)
-    compiled = PlainLM(cfg, compile=True)
-    compiled.load_state_dict(eager.state_dict())
-    compiled.configure_model()
-    blocks = [m for m in compiled.modules() if isinstance(m, Block)]
-    assert all(getattr(m, "_compiled_call_impl", None) is not None for m in blocks)
-    batch = batch_for("decoder")
-    loss, grads = loss_and_grads(compiled, batch)
-    loss_ref, grads_ref = loss_and_grads(eager, batch)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
-_RECIPE_RUN = [
-    *TINY_RUN,
-    "model.n_layers=2",
-    "model.dropout=0.0",
-    "optim.lr=1e-2",
-    "optim.warmup_steps=0",
-    "trainer.max_steps=3",
-    "trainer.val_check_interval=3",
-    "trainer.limit_val_batches=1",
-]
-
-
-@pytest.mark.slow
-def test_recipe_keys_compile_and_checkpoint_the_trained_blocks(tmp_path):
-    """`trainer.compile=true trainer.activation_checkpointing=true` reach the objective through
-    the training command: the blocks that trained were checkpointed and compiled, and the per-step losses
-    equal a plain run's (no dropout: inductor draws its own dropout masks)."""
-    from lightning.pytorch.callbacks import Callback
-
-    from lit_transformer.commands.train import train
-    from lit_transformer.recipe.load import load_recipe
-
-    class Record(Callback):
-        def __init__(self):
-            self.losses, self.blocks = [], []
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-
-        def on_train_end(self, trainer, module):
-            self.blocks = [m for m in module.modules() if isinstance(m, Block)]
-
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-clm.yaml"
-    runs = {}
-    for name, keys in (("plain", []), ("fast", ["trainer.compile=true", "trainer.activation_checkpointing=true"])):
-        record = Record()
-        train(
-            load_recipe(recipe, [*_RECIPE_RUN, *keys, f"run.dir={tmp_path / name}"]),
-            callbacks=[record],
-            progress_bar=False,
-        )
-        runs[name] = record
-    plain, fast = runs["plain"], runs["fast"]
-    assert len(fast.blocks) == 2 and all(type(b) is CheckpointedBlock for b in fast.blocks)
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in fast.blocks)
-    assert not any(type(b) is CheckpointedBlock for b in plain.blocks)
-    assert len(plain.losses) == 3
-    assert fast.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-5)
-
-
 # ----------------------------------------------------------------------------- the core's fast paths
 # Each fast path must equal the plain computation it replaces.
 
@@ -348,14 +280,17 @@ class Record(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-# both runs in one 2-process job (a launch costs each process its imports): the same seed, model,
-# batches and dropout draws, with and without checkpointing
-for checkpointing in (False, True):
+# four runs in one 2-process job (a launch costs each process its imports): the same seed, model,
+# batches and dropout draws, with and without checkpointing; then without dropout (inductor draws
+# its own masks), eager and with the blocks checkpointed and compiled
+RUNS = {"plain": (False, False, 0.1), "checkpointed": (True, False, 0.1), "eager": (False, False, 0.0),
+        "compiled": (True, True, 0.0)}
+for name, (checkpointing, compile, dropout) in RUNS.items():
     torch.manual_seed(0)
     cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44,
-                            max_seq_len=32, dropout=0.1)
+                            max_seq_len=32, dropout=dropout)
     module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0),
-                      activation_checkpointing=checkpointing)
+                      activation_checkpointing=checkpointing, compile=compile)
     ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]
     record = Record()
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -365,26 +300,37 @@ for checkpointing in (False, True):
     fit.fit(module, DataLoader([{"input_ids": ids, "labels": labels}] * 16, batch_size=None))
     blocks = module.model.transformer.decoder.blocks
     report = {"losses": record.losses, "checkpointed": all(isinstance(b, CheckpointedBlock) for b in blocks),
-              "sharded": type(blocks[0].attn.q.weight).__name__ == "DTensor"}
-    with open(f"report_{int(checkpointing)}_{fit.global_rank}.json", "w") as f:
+              "sharded": type(blocks[0].attn.q.weight).__name__ == "DTensor", "scope": module.compile_scope,
+              "compiled": all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)}
+    with open(f"report_{name}_{fit.global_rank}.json", "w") as f:
         json.dump(report, f)
 """
 
 
 @pytest.mark.distributed
-def test_activation_checkpointing_under_fsdp2_gives_the_same_losses(tmp_path):
+def test_checkpointing_and_compile_under_fsdp2_give_the_same_losses(tmp_path):
     """configure_model checkpoints every block, then FSDP2 shards it (2 gloo processes, dropout
-    on): the same per-step losses on every rank as without checkpointing."""
+    on): the same per-step losses on every rank as without checkpointing. trainer.compile with
+    both compiles each checkpointed block (compiled_step.py's "blocks" scope): the eager run's
+    losses too."""
     script = tmp_path / "fsdp_ac.py"
     script.write_text(_FSDP_SCRIPT)
-    run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=240)
+    run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=300)
     for rank in (0, 1):
-        plain = json.loads((tmp_path / f"report_0_{rank}.json").read_text())
-        checkpointed = json.loads((tmp_path / f"report_1_{rank}.json").read_text())
+        runs = {
+            name: json.loads((tmp_path / f"report_{name}_{rank}.json").read_text())
+            for name in ("plain", "checkpointed", "eager", "compiled")
+        }
+        plain, checkpointed = runs["plain"], runs["checkpointed"]
         assert checkpointed["checkpointed"] and not plain["checkpointed"]
-        assert checkpointed["sharded"] and plain["sharded"]
+        assert all(run["sharded"] for run in runs.values())
         assert len(plain["losses"]) == 4
         assert checkpointed["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-6)
+        compiled, eager = runs["compiled"], runs["eager"]
+        assert compiled["scope"] == "blocks" and compiled["compiled"] and compiled["checkpointed"]
+        assert not eager["compiled"]
+        assert len(compiled["losses"]) == 4
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-5)
 
 
 _PAGE_FAULTS = r'''
