@@ -51,10 +51,12 @@ def compile_scope(
 
 
 def without_full_masks(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch without the padding masks that mask nothing (one host sync each, the one the
-    eager step's masks_nothing makes too), so that the graph is built for the unmasked case."""
-    drop = [key for key in MASK_KEYS if isinstance(batch.get(key), torch.Tensor) and bool(batch[key].all())]
-    return {key: value for key, value in batch.items() if key not in drop} if drop else batch
+    """The batch's tensors without the padding masks that mask nothing (one host sync each, the
+    one the eager step's masks_nothing makes too), so that the graph is built for the unmasked
+    case. Other entries (a mixture's task index) are left out: the loss terms read tensors only,
+    and dynamo would guard on each value and compile again for the next one."""
+    drop = {key for key in MASK_KEYS if isinstance(batch.get(key), torch.Tensor) and bool(batch[key].all())}
+    return {key: value for key, value in batch.items() if isinstance(value, torch.Tensor) and key not in drop}
 
 
 def run_compiled(terms: Callable, model: torch.nn.Module, batch: dict[str, Any], *args: Any, **kwargs: Any):
