@@ -14,6 +14,7 @@ the run is refused at start-up (`check_float8`). torchao is the `float8` extra.
 from __future__ import annotations
 
 import lightning as L
+import torch
 from torch import nn
 
 from lit_transformer.errors import RecipeError
@@ -25,8 +26,6 @@ ALIGNMENT = 16  # torch._scaled_mm's requirement on both sides of a float8 produ
 
 def float8_refusal(accelerator: str) -> str | None:
     """Why trainer.float8 cannot run with `accelerator` on this machine, or None."""
-    import torch
-
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     if not on_gpu or not torch.cuda.is_available():
         return "trainer.float8=true needs an NVIDIA GPU with float8 matrix units (H100, H200, L4); this run is on CPU"

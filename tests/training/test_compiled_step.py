@@ -133,9 +133,9 @@ def test_the_recipe_keys_reach_the_objective():
     from lit_transformer.recipe.load import load_recipe
 
     keys = ["trainer.compile=true", "trainer.activation_checkpointing=true"]
-    for name, cls in (("tiny-clm", CausalLM), ("tiny-mlm", MaskedLM)):
+    for name, cls, arch in (("tiny-clm", CausalLM, "decoder"), ("tiny-mlm", MaskedLM, "encoder")):
         cfg = load_recipe(RECIPES / f"{name}.yaml", keys)
-        module = cls(tiny_config(cls is MaskedLM and "encoder" or "decoder"), **cls.recipe_options(cfg))
+        module = cls(tiny_config(arch), **cls.recipe_options(cfg))
         assert module.compile_blocks and module.activation_checkpointing and module.hparams["compile"]
         module.configure_model()
         assert module.compile_scope == "blocks"
