@@ -25,9 +25,21 @@ from lit_transformer.recipe.load import load_recipe
 
 pytestmark = pytest.mark.distributed
 
-OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq", "unilm", "ul2")  # the last two: mixtures of tasks
-# span corruption of 24-token blocks has one noise span and nothing random left to draw: 48 has two
-EXTRA = {"span": ["data.block_size=48"], "ul2": ["data.block_size=48"]}
+# the last three: mixtures of tasks, one task per step (unilm, ul2) and rows of two tasks in every
+# batch (gptbert)
+OBJECTIVES = ("clm", "span", "classify", "mlm", "seq2seq", "unilm", "ul2", "gptbert")
+EXTRA = {
+    # span corruption of 24-token blocks has one noise span and nothing random left to draw: 48 has two
+    "span": ["data.block_size=48"],
+    "ul2": ["data.block_size=48"],
+    # row mixing apportions each rank's batch of 3 on its own: at 1:2 every batch of 3 holds 1
+    # causal and 2 masked rows, so two ranks hold the tasks of one batch of 6 (at the recipe's
+    # 1:15 a batch of 3 is mostly all masked and no one-process batch has the same rows)
+    "gptbert": [
+        "tasks=[{name: clm, objective: clm, weight: 1},"
+        " {name: mntp, objective: mntp, weight: 2, mask_rate_start: 0.3, mask_rate_end: 0.15}]"
+    ],
+}
 STEPS = 3
 # Tiny and deterministic: no dropout anywhere (each rank seeds its own dropout draws), a high
 # learning rate without warmup so that a wrong update shows in the next step's loss.
