@@ -83,7 +83,7 @@ def test_the_hybrid_recipe_plans_its_schedule(tmp_path):
     clm, mntp = plan.tasks
     assert (clm.pipeline, mntp.pipeline) == ("clm", "clm")  # one token cache for both
     assert (mntp.mask_rate_start, mntp.mask_rate_end, mntp.max_span_length) == (0.30, 0.15, 3)
-    assert plan.mixture.mixing == "row" and plan.mixture.max_steps == 40 and plan.mixture.weights == (1.0, 15.0)
+    assert plan.mixture.mixing == "row" and plan.mixture.max_steps == 40 and plan.mixture.weights == (3.0, 1.0)
     # unset, the rate is the data's mlm_probability all along, and the replacement split the data's
     path = tmp_path / "plain.yaml"
     path.write_text(
