@@ -33,8 +33,9 @@ EXTRA = {
     "span": ["data.block_size=48"],
     "ul2": ["data.block_size=48"],
     # row mixing apportions each rank's batch of 3 on its own: at 1:2 every batch of 3 holds 1
-    # causal and 2 masked rows, so two ranks hold the tasks of one batch of 6 (at the recipe's
-    # 1:15 a batch of 3 is mostly all masked and no one-process batch has the same rows)
+    # causal and 2 masked rows, so two ranks hold the tasks of one batch of 6 (at the recipe's 3:1,
+    # 3 x 3/4 causal rows is not whole: a rank's batches of 3 hold 2 or 3 causal rows by turns, and
+    # the global batch is not one process's batch of 6)
     "gptbert": [
         "tasks=[{name: clm, objective: clm, weight: 1},"
         " {name: mntp, objective: mntp, weight: 2, mask_rate_start: 0.3, mask_rate_end: 0.15}]"
