@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MEASURE_ROUNDS = 5  # alternating timed passes per side: a median of 5 outlasts one descheduled pass
 # untimed passes per side first: a process's first packed passes run slower than its later ones,
 # which after a single warm-up pass tipped close choices towards plain F.linear
@@ -51,9 +50,15 @@ _CHOICES: dict[tuple, bool] = {}
 _MEDIANS: dict[tuple, tuple[float, float]] = {}  # the same keys -> (packed, plain) median seconds
 
 
+def _packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN can pack here: bfloat16 needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT;
+    on an AVX2-only CPU its reorder raises, so bf16 weights keep plain F.linear there."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def packing_available(model: nn.Module) -> bool:
-    """Whether `packed_linears` would pack anything: a CPU model in float32 or bfloat16, none of
-    its modules compiled, and a torch built with oneDNN."""
+    """Whether `packed_linears` would pack anything: a CPU model in float32 or bfloat16 (where
+    oneDNN packs bfloat16: `_packed_dtypes`), none of its modules compiled, and a torch built with oneDNN."""
     if not torch.backends.mkldnn.is_available():
         return False
     # A compiled module (nn.Module.compile) would trace the swapped forward: inductor cannot
@@ -61,7 +66,7 @@ def packing_available(model: nn.Module) -> bool:
     if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
         return False
     weight = next((m.weight for m in model.modules() if type(m) is nn.Linear), None)
-    return weight is not None and weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES
+    return weight is not None and weight.device.type == "cpu" and weight.dtype in _packed_dtypes()
 
 
 class _PackedForward:
@@ -122,6 +127,7 @@ def _targets(model: nn.Module) -> list[nn.Linear]:
     their own, whose weight is a plain CPU tensor (not a sharded DTensor) of a packed dtype."""
     if not packing_available(model):
         return []
+    dtypes = _packed_dtypes()
     return [
         module
         for module in model.modules()
@@ -129,7 +135,7 @@ def _targets(model: nn.Module) -> list[nn.Linear]:
         and type(module.weight.data) is torch.Tensor
         and "forward" not in module.__dict__
         and not (module._forward_hooks or module._forward_pre_hooks)
-        and module.weight.dtype in _PACKED_DTYPES
+        and module.weight.dtype in dtypes
         and module.weight.device.type == "cpu"
     ]
 
