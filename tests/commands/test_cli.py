@@ -136,11 +136,12 @@ def test_info_plans_a_run_on_nodes_and_devices(capsys):
     from lit_transformer.recipe.model_section import model_config
 
     recipe = str(RECIPES / "tiny-clm.yaml")
-    assert main(["info", recipe, "--plan", "--json"]) == 0
+    bf16 = "trainer.precision=bf16-mixed"  # given: unset, it is 32-true on a CPU without bf16 units
+    assert main(["info", recipe, bf16, "--plan", "--json"]) == 0
     one = json.loads(capsys.readouterr().out)["plan"]
     assert one["world_size"] == 1 and one["seconds_per_step"] is None and one["mfu"] == 0.4
     # 8 devices: more than this CPU machine has, which a plan (unlike a launch) does not refuse
-    argv = ["info", recipe, "trainer.num_nodes=2", "trainer.devices=4", "trainer.accumulate_grad_batches=3"]
+    argv = ["info", recipe, bf16, "trainer.num_nodes=2", "trainer.devices=4", "trainer.accumulate_grad_batches=3"]
     assert main([*argv, "--peak-tflops", "50", "--mfu", "0.25", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)["plan"]
     assert plan["world_size"] == 8 and plan["tokens_per_step"] == 24 * one["tokens_per_step"]
