@@ -77,8 +77,10 @@ def test_linear_probe_separates_the_keyword_task_on_random_weights(task, tokeniz
     probe = classify.build(entry(task, pooling=pooling), CFG)
     out = probe(target(tokenizer, arch, bidirectional=bidirectional))
     assert out["examples"] == 60.0
-    assert out["accuracy"] >= 0.95, out
-    assert out["macro_f1"] >= 0.95, out
+    # chance is 1/3, and random labels stay under 0.55 (below); the encoder-decoder's float32
+    # features reach 0.97, so a bar of 0.95 had one example of margin (docs/guarantees.md)
+    assert out["accuracy"] >= 0.9, out
+    assert out["macro_f1"] >= 0.9, out
 
 
 def test_a_bidirectional_decoder_reads_the_whole_row(task, tokenizer):
@@ -87,7 +89,7 @@ def test_a_bidirectional_decoder_reads_the_whole_row(task, tokenizer):
     probe = classify.build(entry(task, pooling="first"), CFG)
     causal = probe(target(tokenizer, "decoder"))
     assert causal["accuracy"] < 0.5 and causal["macro_f1"] < 0.3, causal
-    assert probe(target(tokenizer, "decoder", bidirectional=True))["accuracy"] >= 0.95
+    assert probe(target(tokenizer, "decoder", bidirectional=True))["accuracy"] >= 0.9
 
 
 def test_linear_probe_on_random_labels_sits_near_chance(tmp_path, tokenizer):

@@ -257,7 +257,10 @@ def test_cpu_matmul_attention_matches_the_float32_reference(case):
     for fast, ref in zip(*outputs):
         assert fast.dtype == torch.bfloat16 and fast.shape == ref.shape
         error = (fast.float() - ref).norm() / ref.norm()
-        assert error < 1e-2, f"relative error {error:.4f}"  # bf16 keeps 8 bits: about 4e-3 per rounding
+        # bf16 keeps 8 bits, about 4e-3 per rounding, and a gradient passes several: the bar is
+        # twice the worst measured (docs/guarantees.md, "CPU kinds"); a wrong scale, mask or bias
+        # is off by tens of percent
+        assert error < 2e-2, f"relative error {error:.4f}"
 
 
 # ----------------------------------------------------------------------------- with FSDP2
