@@ -5,7 +5,7 @@
 
 For each backbone that tests/option_pairs.py fine-tunes from (FINETUNE_FROM), pretrain it as its
 row does (in one process: the ddp and fsdp rows' options otherwise kept) under each seed and
-precision, then fine-tune it on the keyword task as helpers.KEYWORD_FINETUNE does, once per
+precision, then fine-tune it on the keyword task as option_pairs.finetune does, once per
 learning rate and step count in --configs; print each run's validation accuracy and loss, then per
 config the worst over backbones, seeds and precisions. The pretraining seeds stand in for another
 CPU's kernels: both only perturb the backbone the fine-tune starts from. Run it again under
@@ -35,7 +35,6 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import option_pairs  # noqa: E402
 import torch  # noqa: E402
-from helpers import KEYWORD_FINETUNE, RECIPES, keyword_task  # noqa: E402
 
 from lit_transformer.commands.cli import main  # noqa: E402
 
@@ -76,21 +75,8 @@ def reinitialised(run_dir: Path) -> Path:
 
 def finetune(source: Path, lr: float, steps: int, folder: Path) -> dict:
     run_dir = folder / f"{source.name}-ft-{lr}-{steps}"
-    args = [
-        "finetune",
-        str(RECIPES / "tiny-classify-from-pretrained.yaml"),
-        f"finetune.from={source}",
-        f"run.dir={run_dir}",
-        *keyword_task(folder / "keywords"),
-        *KEYWORD_FINETUNE,
-        f"optim.lr={lr}",  # later overrides win
-        f"trainer.max_steps={steps}",
-        f"trainer.val_check_interval={steps}",
-        "trainer.num_threads=1",
-        "trainer.precision=32-true",
-        "logger.wandb.mode=disabled",
-    ]
-    quietly(args)
+    steps_args = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}"]
+    quietly(option_pairs.finetune_args(source, run_dir, f"optim.lr={lr}", *steps_args))
     return json.loads((run_dir / "metrics.json").read_text())
 
 

@@ -292,7 +292,7 @@ def assert_learned_keywords(metrics: dict) -> None:
 
 def assert_tuned_from(source: Path, tuned: Path) -> None:
     """`tuned` was fine-tuned from `source`'s weights, not from a fresh backbone (which learns
-    keyword_task as well: 100% in 40 steps, so accuracy alone cannot tell). The token rows that
+    keyword_task as well, so accuracy alone cannot tell: docs/guarantees.md). The token rows that
     the fine-tune's data never shows get a zero gradient, AdamW moves them by weight decay only,
     and embeddings take none: most rows are the source's, bit for bit; the rest moved."""
     from lit_transformer.model.interop.directories import load_pretrained

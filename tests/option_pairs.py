@@ -402,12 +402,10 @@ def follow_up(row: Row, run_dir: Path, tmp: Path, capsys) -> None:
         finetune(run_dir, tmp / "classify", capsys)
 
 
-def finetune(source: Path, run_dir: Path, capsys) -> None:
-    """A classifier fine-tuned from the run's weights learns a keyword task (chance 1/3) and
-    keeps the backbone's config, attention options included."""
-    from lit_transformer.model.interop.directories import load_pretrained
-
-    args = [
+def finetune_args(source: Path, run_dir: Path, *extra: str) -> list[str]:
+    """The command line of the fine-tune below (tests/finetune_margins.py measures its margin);
+    `extra` overrides come last and win."""
+    return [
         "finetune",
         str(RECIPES / "tiny-classify-from-pretrained.yaml"),
         f"finetune.from={source}",
@@ -417,8 +415,16 @@ def finetune(source: Path, run_dir: Path, capsys) -> None:
         "trainer.num_threads=1",
         "trainer.precision=32-true",
         "logger.wandb.mode=disabled",
+        *extra,
     ]
-    assert main(args) == 0
+
+
+def finetune(source: Path, run_dir: Path, capsys) -> None:
+    """A classifier fine-tuned from the run's weights learns a keyword task (chance 1/3) and
+    keeps the backbone's config, attention options included."""
+    from lit_transformer.model.interop.directories import load_pretrained
+
+    assert main(finetune_args(source, run_dir)) == 0
     assert_learned_keywords(json.loads((run_dir / "metrics.json").read_text()))
     assert_tuned_from(source, run_dir)
     assert (run_dir / "classifier.safetensors").is_file()
