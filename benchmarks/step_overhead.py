@@ -3,7 +3,7 @@
 bar) against a bare PyTorch loop over the same model, batch shape, loss and optimizer, and both
 against the machine's measured matrix-product peak (MFU).
 
-    python benchmarks/step_overhead.py [--recipe recipes/tiny-clm.yaml] [--steps 60] [--override K=V ...]
+    python benchmarks/step_overhead.py [--recipe recipes/tiny-clm.yaml] [--steps 60] [--rounds 5] [--override K=V ...]
     python benchmarks/step_overhead.py --before d742744   # also the full path of that commit, alternately
 
 Bare loop: the objective's own loss function on random token rows of data.block_size,
@@ -15,9 +15,14 @@ window after the first logging step, so start-up is not in it). MFU: model FLOPs
 (model/accounting.py) times tokens/s over the peak of a 2048^3 matrix product in the run's
 precision on this machine with the recipe's threads. Not part of the test suite.
 
+Every figure is the median over --rounds rounds (default 5) with the range (min-max) beside it,
+never the best round: a round runs the bare loop, then the full path. Ratios (overhead,
+speed-up) are taken within each round, whose runs share the machine's load of the moment, and
+summarised the same way. The matmul peak alone is the best of its repeats: it is a peak.
+
 --before REF: the full path of git revision REF as well (its own code and its own copy of the
-recipe, checked out into a temporary directory), run alternately with this tree's --repeats
-times so that background load falls on both alike; each side's MFU is against the peak of the
+recipe, checked out into a temporary directory), run in each round just before this tree's, so
+that background load falls on both alike; each side's MFU is against the peak of the
 precision that side's recipe resolved to on this machine. Before/after in one run.
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,6 +153,15 @@ def resolved_precision(root: Path, recipe: str, overrides: list[str]) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    """The median over rounds with the range: the project's rule for a figure (never the best)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def spread_text(s: dict[str, float]) -> str:
+    return f"{s['median']:,.4g} ({s['min']:,.4g}-{s['max']:,.4g})"
+
+
 def peak_of(precision: str, peaks: dict) -> float:
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
     if dtype not in peaks:
@@ -160,11 +175,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--before", metavar="REF", help="also measure the full path of this git revision")
-    p.add_argument("--repeats", type=int, default=2, help="with --before: alternate runs per side")
+    p.add_argument(
+        "--rounds",
+        "--repeats",
+        type=int,
+        default=5,
+        help="rounds of bare loop and full path (and --before's full path): the median is reported, with the range",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.steps < 20:  # the full path logs every 10 steps and its first window is start-up
         p.error(f"--steps {args.steps}: needs at least 20 (the first 10-step window is start-up, not measured)")
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: needs at least 1 (5 or more for a figure: the median with its range)")
     recipe = str(Path(args.recipe).resolve().relative_to(ROOT))
     cfg = load_recipe(ROOT / recipe, args.override)
     torch.set_num_threads(cfg.trainer.num_threads or torch.get_num_threads())
@@ -172,27 +195,31 @@ def main() -> None:
     flops_per_token = train_flops(model_cfg, cfg.data.block_size).total / cfg.data.block_size
     peaks: dict = {}
     peak = peak_of(cfg.trainer.precision, peaks)
-    bare = bare_loop(cfg, args.steps)
+    bares, fulls, befores = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        old_root = checkout(args.before, Path(tmp)) if args.before else None
+        for _ in range(args.rounds):  # one round's runs share the load of the moment
+            bares.append(bare_loop(cfg, args.steps))
+            if old_root is not None:
+                befores.append(full_path(recipe, args.override, args.steps, old_root))
+            fulls.append(full_path(recipe, args.override, args.steps))
+        old_precision = resolved_precision(old_root, recipe, args.override) if old_root else None
+    bare, full = spread(bares), spread(fulls)
     out = {
         "recipe": Path(recipe).stem,
         "threads": torch.get_num_threads(),
         "precision": cfg.trainer.precision,
+        "rounds": args.rounds,
         "flops_per_token": flops_per_token,
         "matmul_peak_gflops": peak / 1e9,
         "bare_tokens_per_s": bare,
-        "bare_mfu": bare * flops_per_token / peak,
+        "bare_mfu": bare["median"] * flops_per_token / peak,
+        "full_tokens_per_s": full,
+        "full_mfu": full["median"] * flops_per_token / peak,
+        "overhead": spread([1 - f / b for f, b in zip(fulls, bares)]),
     }
-    if args.before is None:
-        full = full_path(recipe, args.override, args.steps)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            old_root = checkout(args.before, Path(tmp))
-            old_precision = resolved_precision(old_root, recipe, args.override)
-            befores, afters = [], []
-            for _ in range(args.repeats):  # alternately: load that comes and goes hits both
-                befores.append(full_path(recipe, args.override, args.steps, old_root))
-                afters.append(full_path(recipe, args.override, args.steps))
-        full, before = max(afters), max(befores)
+    if old_root is not None:
+        before = spread(befores)
         old_peak = peak_of(old_precision, peaks)
         out.update(
             {
@@ -200,18 +227,22 @@ def main() -> None:
                 "before_precision": old_precision,
                 "before_matmul_peak_gflops": old_peak / 1e9,
                 "before_tokens_per_s": before,
-                "before_mfu": before * flops_per_token / old_peak,
-                "before_runs": befores,
-                "after_runs": afters,
-                "speedup": full / before,
+                "before_mfu": before["median"] * flops_per_token / old_peak,
+                "speedup": spread([f / b for f, b in zip(fulls, befores)]),
             }
         )
-    out.update({"full_tokens_per_s": full, "full_mfu": full * flops_per_token / peak, "overhead": 1 - full / bare})
+    out.update({"bare_runs": bares, "full_runs": fulls, **({"before_runs": befores} if befores else {})})
     if args.json:
         print(json.dumps(out))
         return
     for key, value in out.items():
-        print(f"{key:<26} {value:,.4g}" if isinstance(value, float) else f"{key:<26} {value}")
+        if isinstance(value, dict):
+            text = spread_text(value)
+        elif isinstance(value, list):
+            text = ", ".join(f"{v:,.4g}" for v in value)
+        else:
+            text = f"{value:,.4g}" if isinstance(value, float) else str(value)
+        print(f"{key:<26} {text}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The docs cannot drift from the code: recipe keys and links.
+"""The docs cannot drift from the code: recipe keys, links, and speed ratios against the benchmark tables.
 
 docs/recipe-keys.md documents a key by writing it in backticks in the first column of a table
 row (several keys may share a row); exactly those rows are parsed. A mixture task's keys are
@@ -118,3 +118,70 @@ def test_every_folder_appears_in_the_readme_tree():
     folders = [d for d in (ROOT / "tests").iterdir() if d.is_dir() and d.name not in GENERATED]
     missing += [f"tests/{d.name}" for d in folders if f"{d.name}/" not in tests_entry]
     assert missing == [], f"folders missing from README.md's layout block: {missing}"
+
+
+# ---------------------------------------------------------------- speed-ratio figures ("1.17x")
+
+# A figure such as "1.17x" or a range such as "5.4-14.6x" (each end must then be a figure).
+RATIO = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?x(?!\w)")
+
+# Ratios in prose that are not benchmark results, or not copied from a table: (page, figure).
+NOT_BENCHMARK_FIGURES = {
+    ("evaluation.md", "10x"),  # the probe head's learning rate, 10x the backbone's: a setting
+    ("recipe-keys.md", "4x"),  # d_ff 4x d_model: a shape
+    # quotients of the page's own long-context table (step seconds, peak MiB at 8k and 16k)
+    ("efficient-attention.md", "0.48x"),
+    ("efficient-attention.md", "0.66x"),
+    ("efficient-attention.md", "0.42x"),
+    ("efficient-attention.md", "0.55x"),
+    ("efficient-attention.md", "1.04x"),
+    ("efficient-attention.md", "1.13x"),
+}
+
+
+def table_ratios(text: str) -> set[str]:
+    """Every ratio figure in a table row of `text`, a range's two ends included."""
+    found = set()
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            for m in RATIO.finditer(line):
+                found |= {m.group(0), f"{m.group(1)}x"} | ({f"{m.group(2)}x"} if m.group(2) else set())
+    return found
+
+
+def unsourced_ratios(text: str, sources: set[str]) -> list[str]:
+    """The ratio figures of `text`'s prose that no table in `sources` holds (a range: both ends)."""
+    missing = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("|"):
+            continue  # a table row is itself a source, with its command beside it
+        for m in RATIO.finditer(line):
+            ends = [f"{m.group(1)}x"] + ([f"{m.group(2)}x"] if m.group(2) else [])
+            if m.group(0) not in sources and not all(end in sources for end in ends):
+                missing.append(m.group(0))
+    return missing
+
+
+def test_every_speed_ratio_in_the_docs_is_a_table_figure():
+    """A speed ratio in docs/ or README.md is one of the figures of benchmarks/README.md's tables
+    or of a docs table (each with its command), so a figure cannot drift from its measurement."""
+    pages = {"README.md": ROOT / "README.md", **{p.name: p for p in DOCS.glob("*.md")}}
+    texts = {name: path.read_text(encoding="utf-8") for name, path in pages.items()}
+    sources = table_ratios((ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8"))
+    for text in texts.values():
+        sources |= table_ratios(text)
+    drifted = [
+        f"{name}: {figure}"
+        for name, text in sorted(texts.items())
+        for figure in unsourced_ratios(text, sources)
+        if (name, figure) not in NOT_BENCHMARK_FIGURES
+    ]
+    assert not drifted, f"speed ratios in the docs that no benchmark table holds: {drifted}"
+
+
+def test_the_ratio_check_catches_a_planted_figure():
+    table = "| cell | ours / hf | ratio |\n|---|---|---|\n| gpt2 | 10 / 2 | 5.4x (4.8-6.1) |\n| t5 | 30 / 2 | 14.6x |\n"
+    page = "Decoding is 5.4-14.6x faster; on T5 14.6x. Greedy is 12x, beam 5-12x, and d192 x 4 is a shape.\n"
+    assert sorted(table_ratios(table)) == ["14.6x", "5.4x"]
+    assert unsourced_ratios(page, table_ratios(table)) == ["12x", "5-12x"]
+    assert unsourced_ratios(table + page.split(" Greedy")[0], table_ratios(table)) == []
