@@ -14,7 +14,8 @@ case ",${EXTRAS}," in
     # data.store=litdata: litdata without its declared dependencies (the store extra holds the
     # ones it uses). Its metadata requires torchvision, which it imports only for images and
     # video, and whose wheels pin a torch of their own: pip would replace the CPU torch above
-    # with a CUDA build. The version is the one tests/data/test_data_store.py was run with.
+    # with a CUDA build. The version is the one tests/data/test_data_store.py was run with. A plain
+    # `pip install -e ".[dev,store]"` skips this step: tests/test_skips.py then fails, naming it.
     python3 -m pip install -q --no-deps "litdata==0.2.76"
     ;;
 esac

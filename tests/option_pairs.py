@@ -278,6 +278,41 @@ def stop_and_resume(row: Row, run_dir: Path) -> list[list[str]]:
     ]
 
 
+def declared_eval(recipe: Path) -> list[str]:
+    """The entry names of the eval section a recipe file declares: its YAML and its `extends:`
+    chain read here, not through load_recipe (a list in a later file replaces an earlier one).
+    What a run's eval section must hold, so that a section trimmed on the way fails a matrix."""
+    return _declared_eval(recipe) or []
+
+
+def _declared_eval(recipe: Path) -> list[str] | None:
+    """As declared_eval; None where neither the file nor its ancestors have an eval section."""
+    import yaml
+
+    tree = yaml.safe_load(recipe.read_text()) or {}
+    if "eval" in tree:
+        return [entry["name"] for entry in tree["eval"] or []]
+    parents = tree.get("extends") or []
+    names = None
+    for parent in [parents] if isinstance(parents, str) else parents:
+        found = _declared_eval(recipe.parent / parent)
+        names = found if found is not None else names
+    return names
+
+
+def assert_evaluations_ran(recipe: Path, run_dir: Path, steps: list[int]) -> None:
+    """Every evaluation `recipe` declares ran at each of `steps` in the run at `run_dir`, and its
+    final numbers are in metrics.json; the run's eval section is the recipe's, none dropped."""
+    expected = declared_eval(recipe)
+    assert [e.name for e in load_recipe(run_dir / "config.yaml").eval] == expected, (recipe.name, expected)
+    rows, metrics = read_metrics(run_dir), json.loads((run_dir / "metrics.json").read_text())
+    ran = {k.split("/")[1] for r in rows for k in r if k.startswith("eval/") and k.endswith("/seconds")}
+    assert ran == set(expected), (recipe.name, sorted(ran), expected)
+    for name in expected:
+        assert sorted({int(r["step"]) for r in rows if f"eval/{name}/seconds" in r}) == steps, name
+        assert math.isfinite(metrics[f"eval/{name}/examples"]), (name, sorted(metrics))
+
+
 def one_error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
@@ -318,13 +353,9 @@ def check_run(row: Row, run_dir: Path) -> None:
         assert sum(losses[-3:]) < sum(losses[:3]), losses
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert math.isfinite(metrics["val/loss"]), metrics
-    # the recipe's named evaluations: on the initial weights, at each validation (the stopped
-    # run's last one and the resumed run's), their final numbers in metrics.json
-    rows = read_metrics(run_dir)
-    for entry in load_recipe(run_dir / "config.yaml").eval:
-        steps = sorted({int(r["step"]) for r in rows if f"eval/{entry.name}/seconds" in r})
-        assert steps == [0, STEPS, MORE], (entry.name, steps)
-        assert math.isfinite(metrics[f"eval/{entry.name}/examples"]), (entry.name, sorted(metrics))
+    # the recipe's named evaluations, every one it declares: on the initial weights, at each
+    # validation (the stopped run's last one and the resumed run's), their final numbers in metrics.json
+    assert_evaluations_ran(RECIPES / f"tiny-{row.objective}.yaml", run_dir, [0, STEPS, MORE])
     assert (run_dir / "averaged.json").is_file() == (row.averaging == "last")
     assert ("val/bleu" in metrics) == (row.objective == "seq2seq" and row.generation == "on"), metrics
     samples = run_dir / "samples.jsonl"

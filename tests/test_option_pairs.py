@@ -8,6 +8,7 @@ from dataclasses import astuple
 
 import pytest
 import torch
+from helpers import RECIPES, capped_recipe
 from option_pairs import (
     AXES,
     EXCLUDED,
@@ -17,7 +18,9 @@ from option_pairs import (
     RUNS,
     STEPS,
     Row,
+    assert_evaluations_ran,
     check_run,
+    declared_eval,
     follow_up,
     one_error_line,
     pretrain_args,
@@ -25,6 +28,7 @@ from option_pairs import (
 )
 
 from lit_transformer.commands.cli import main
+from lit_transformer.recipe.load import load_recipe, save_config
 
 # ----------------------------------------------------------------------------- the table
 
@@ -57,6 +61,26 @@ def test_the_table_covers_every_valid_pair():
     graph = lambda r: (r.objective, r.attention, r.precision, r.checkpointing, r.generation)  # noqa: E731
     single = [graph(r) for r in RUNS if r.compile == "on" and r.strategy == "single"]
     assert all(graph(r) in single for r in RUNS if r.compile == "on" and r.strategy != "single")
+
+
+def test_each_recipe_declares_the_eval_section_it_loads_and_the_matrices_run(tmp_path):
+    """declared_eval (the matrices' expectation, read from the YAML) agrees with load_recipe on
+    every recipe, capped_recipe keeps every entry, and the table's LM recipes ship a section, so
+    that "every evaluation ran" is never a loop over nothing."""
+    for path in sorted(RECIPES.glob("*.yaml")):
+        names = declared_eval(path)
+        assert [e.name for e in load_recipe(path).eval] == names, path.name
+        assert [e.name for e in load_recipe(capped_recipe(path, tmp_path / path.stem)).eval] == names, path.name
+    shipping = {o for o in AXES["objective"] if declared_eval(RECIPES / f"tiny-{o}.yaml")}
+    assert shipping == {"mlm", "clm", "span"}, shipping
+
+
+def test_a_run_with_a_trimmed_eval_section_fails_the_check(tmp_path):
+    recipe = RECIPES / "tiny-clm.yaml"
+    for trimmed in (["eval=[]"], ["eval=[{name: names, kind: choice, embedded: docstring_function}]"]):
+        save_config(load_recipe(recipe, trimmed), tmp_path / "config.yaml")
+        with pytest.raises(AssertionError, match="tiny-clm.yaml"):
+            assert_evaluations_ran(recipe, tmp_path, [0, STEPS])
 
 
 # ----------------------------------------------------------------------------- running

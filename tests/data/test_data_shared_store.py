@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import RECIPES, TINY_RUN, RecordSteps, optional, run_two_ranks
+from helpers import RECIPES, TINY_RUN, RecordSteps, optional, run_two_ranks, tiny_run_config
 
 optional("litdata", "store")
 moto_server = optional("moto.server", "dev")
@@ -117,12 +117,6 @@ def local_data(corpus: Path, store: str) -> list[str]:
     ]
 
 
-def recipe(run_dir: Path, *overrides: str):
-    from lit_transformer.recipe.load import load_recipe
-
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, f"run.dir={run_dir}", *overrides])
-
-
 @pytest.fixture(scope="module")
 def stores(s3, corpus, tmp_path_factory) -> dict:
     """`one`: prepared whole from the local files (the tokenizer trained on them); `two`: the same
@@ -134,7 +128,7 @@ def stores(s3, corpus, tmp_path_factory) -> dict:
     out = {"runs": runs}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(remote_store, "CHUNK_BYTES", CHUNK)
-        out["one"] = prepare(recipe(runs / "one", *local_data(corpus, f"{s3}/one")))
+        out["one"] = prepare(tiny_run_config(runs / "one", *local_data(corpus, f"{s3}/one"), base=COMMON))
         tokenizer = runs / "one" / "tokenizer.json"
         parts = [
             f"data.train_files=[{s3}/corpus/train/]",
@@ -224,9 +218,9 @@ def test_a_second_prepare_reuses_the_store_and_another_recipes_data_is_refused(s
     from lit_transformer.data.modules.text_module import TextDataModule
 
     before = objects("one")
-    again = prepare(recipe(tmp_path / "again", *local_data(corpus, f"{s3}/one")))
+    again = prepare(tiny_run_config(tmp_path / "again", *local_data(corpus, f"{s3}/one"), base=COMMON))
     assert again["store"]["status"] == "cached" and objects("one") == before
-    other = recipe(tmp_path / "other", *local_data(corpus, f"{s3}/one"), "data.block_size=16")
+    other = tiny_run_config(tmp_path / "other", *local_data(corpus, f"{s3}/one"), "data.block_size=16", base=COMMON)
     with pytest.raises(DataError, match=r"holds another recipe's data") as err:
         prepare(other)
     assert "\n" not in str(err.value) and objects("one") == before
@@ -264,6 +258,63 @@ def test_an_interrupted_prepare_leaves_no_manifest_and_is_not_read(s3, stores, c
     chunks = {k for k in objects("cut") if k.startswith("train/part-")}
     assert chunks == {f"train/{c['filename']}" for c in index["chunks"]}  # the first attempt's chunks are gone
     assert manifest("cut")["splits"]["train"] == manifest("one")["splits"]["train"]
+
+
+def test_merge_n_writes_the_manifest_last_listing_exactly_the_shards_there(s3, stores, corpus, tmp_path, monkeypatch):
+    """`prepare --merge 2` where no part saw the other's record (a filesystem that caches "no such
+    file", docs/data.md): the index lists exactly the chunks under train/, the manifest counts what
+    they hold and is the last thing written, after every shard it counts. A merge that fails while
+    copying the validation split leaves no manifest, and run again it completes the store."""
+    from litdata import StreamingDataset
+
+    from lit_transformer.commands.cli import main
+    from lit_transformer.data.tokens import store_manifest
+    from lit_transformer.data.tokens.object_store import LocalLocation
+
+    store = tmp_path / "shared"
+    tokenizer = stores["runs"] / "one" / "tokenizer.json"
+    args = ["prepare", str(RECIPES / "tiny-clm.yaml"), *COMMON, *local_data(corpus, str(store))]
+    args += [f"tokenizer.path={tokenizer}", f"run.dir={tmp_path / 'run'}"]
+    merge = store_manifest.merge_parts
+    monkeypatch.setattr(remote_store, "CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(  # each part finds the other's record missing
+        store_manifest, "merge_parts", lambda *a, required, **k: merge(*a, required=True, **k) if required else None
+    )
+    written: list[str] = []
+    write_bytes, upload = LocalLocation.write_bytes, LocalLocation.upload
+    monkeypatch.setattr(
+        LocalLocation, "write_bytes", lambda self, rel, data: (written.append(rel), write_bytes(self, rel, data))
+    )
+
+    def failing_upload(self, local, rel):
+        if rel == "validation/doc_starts.bin" and "failed" not in written:  # once, mid-copy of a split
+            written.append("failed")
+            raise OSError(28, "No space left on device")
+        written.append(rel)
+        upload(self, local, rel)
+
+    monkeypatch.setattr(LocalLocation, "upload", failing_upload)
+    for part in ("1/2", "0/2"):
+        assert main([*args, "--part", part]) == 0
+    assert not (store / "manifest.json").exists() and not (store / "train" / "index.json").exists()
+    with pytest.raises(OSError, match="No space left"):
+        main([*args, "--merge", "2"])
+    assert not (store / "manifest.json").exists() and "manifest.json" not in written
+    assert main([*args, "--merge", "2"]) == 0
+    assert written[-1] == "manifest.json" and written.count("manifest.json") == 1  # last, and once
+    index = json.loads((store / "train" / "index.json").read_text())
+    listed = [f"train/{c['filename']}" for c in index["chunks"]]
+    assert sorted(listed) == sorted(str(p.relative_to(store)) for p in store.glob("train/*.bin"))
+    before_manifest = written[: written.index("manifest.json")]
+    assert set(listed) <= set(before_manifest) and "train/index.json" in before_manifest
+    assert {"validation/tokens.bin", "validation/meta.json"} <= set(before_manifest)
+    merged = json.loads((store / "manifest.json").read_text())
+    blocks = merged["splits"]["train"]["blocks"]
+    assert merged["parts"] == 2 and blocks == sum(c["chunk_size"] for c in index["chunks"])
+    assert blocks == manifest("one")["splits"]["train"]["blocks"]
+    items = sorted((int(x["index"]), tuple(map(int, x["tokens"]))) for x in StreamingDataset(str(store / "train")))
+    assert items == store_items(f"{s3}/one", tmp_path / "one")
+    assert not [p for p in store.rglob("*") if p.name.startswith(".tmp-")]
 
 
 @pytest.mark.parametrize(
@@ -323,7 +374,7 @@ def test_parts_and_merges_that_cannot_run_are_refused_in_one_line(s3, stores, co
 )
 def test_shared_store_settings_are_refused_when_the_recipe_is_read(tmp_path, overrides, message):
     with pytest.raises(RecipeError, match=message) as err:
-        recipe(tmp_path, "data.train_files=[x.txt]", "data.store_dir=s3://b/x", *overrides)
+        tiny_run_config(tmp_path, "data.train_files=[x.txt]", "data.store_dir=s3://b/x", *overrides, base=COMMON)
     assert "\n" not in str(err.value)
 
 
@@ -394,7 +445,9 @@ def runs(s3, stores, corpus, tmp_path_factory) -> dict:
     from lit_transformer.commands.train import train
 
     # one process, no process group left behind in pytest: the single-device strategy
-    one_rank = recipe(out / "other", *data, *TWO, "trainer.devices=1", "trainer.strategy=auto", "resume=auto")
+    one_rank = tiny_run_config(
+        out / "other", *data, *TWO, "trainer.devices=1", "trainer.strategy=auto", "resume=auto", base=COMMON
+    )
     train(one_rank, callbacks=[RecordSteps(out / "other" / "record-resumed")], progress_bar=False)
     return {"out": out, "node": node}
 
@@ -428,6 +481,12 @@ def test_two_ranks_train_from_s3_with_no_local_training_cache_and_resume_exactly
     files = [p.relative_to(node) for p in node.rglob("*") if p.is_file()]
     assert all(p.parts[0] in ("stores", ".lock") for p in files), files
     assert {p.parts[2] for p in files if p.parts[0] == "stores"} == {".lock", "tokenizer", "validation", "chunks"}
+    # a chunk cache per rank (text_module's _chunk_cache: two ranks sharing one raced on litdata's
+    # index), each with its own index, under stores/<data fingerprint>/chunks/r<rank>
+    chunks = [p for p in files if p.parts[0] == "stores" and p.parts[2] == "chunks"]
+    assert {p.parts[1] for p in chunks} == {manifest("one")["data"][:32]}
+    assert {p.parts[3] for p in chunks} == {"r0", "r1"}, chunks
+    assert sorted(p.parts[3] for p in chunks if p.name == "index.json") == ["r0", "r1"], chunks
     stored = sum(c["chunk_bytes"] for c in json.loads(next(node.rglob("index.json")).read_text())["chunks"])
     cached = sum((node / p).stat().st_size for p in files if p.suffix == ".bin" and "chunks" in p.parts)
     assert cached < stored
