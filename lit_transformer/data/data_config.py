@@ -12,7 +12,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from lit_transformer.errors import DataError, closest
 
@@ -36,6 +36,20 @@ URL_SCHEMES = ("s3",)
 
 @dataclass
 class DataConfig:
+    # The keys that list a run's text files (files, globs or directories), and all the keys that
+    # say where its text comes from and how much of it is read: a mixture task's `data` may
+    # override them (recipe/tasks.py), a heldout evaluation replaces them (evaluation/heldout.py).
+    FILE_KEYS: ClassVar[tuple[str, ...]] = (
+        "train_files",
+        "val_files",
+        "test_files",
+        "source_files",
+        "target_files",
+        "val_source_files",
+        "val_target_files",
+    )
+    SOURCE_KEYS: ClassVar[tuple[str, ...]] = (*FILE_KEYS, "hub_name", *CAPS, "streaming", "num_workers")
+
     # Corpus: files, globs or directories. Empty everywhere: the embedded stdlib corpus/task.
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)

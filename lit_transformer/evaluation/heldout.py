@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lit_transformer.data.data_config import CAPS, DataConfig
 from lit_transformer.errors import RunError, closest
 from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.evaluation.masked_scoring import masked_tasks, pseudo_loglikelihoods, resolve_scoring
@@ -49,22 +49,6 @@ EVALUATE_NAMES = {
     "masked_accuracy": "accuracy",
     "token_accuracy": "accuracy",
 }
-# the data keys that say where a run's text comes from and how much of it is read: all replaced
-_SOURCE_KEYS = (
-    "train_files",
-    "val_files",
-    "test_files",
-    "source_files",
-    "target_files",
-    "val_source_files",
-    "val_target_files",
-    "hub_name",
-    "max_documents",
-    "max_train_bytes",
-    "max_val_bytes",
-    "streaming",
-    "num_workers",
-)
 
 
 def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
@@ -73,10 +57,8 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
     task reads the entry's set. The run's config itself for an entry of the run's own split."""
     if entry.split is not None:
         return cfg
-    changes: dict[str, Any] = {key: None for key in ("hub_name", "max_documents", "max_train_bytes", "max_val_bytes")}
-    changes.update(
-        dict.fromkeys(("test_files", "source_files", "target_files", "val_source_files", "val_target_files"), [])
-    )
+    changes: dict[str, Any] = {key: None for key in ("hub_name", *CAPS)}
+    changes.update({key: [] for key in DataConfig.FILE_KEYS})  # train_files and val_files: below
     changes.update(streaming=False)
     if entry.embedded == "stdlib_text":
         changes.update(train_files=[], val_files=[])
@@ -91,7 +73,7 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
         data = dataclasses.replace(cfg.data, **changes)
     except ValueError as error:  # DataConfig's own checks (a format it does not know)
         raise RunError(f"eval.{entry.name}: {error}") from None
-    cleared = {k: None for k in (*_SOURCE_KEYS, "format", "text_format", "text_column")}
+    cleared = {k: None for k in (*DataConfig.SOURCE_KEYS, "format", "text_format", "text_column")}
     tasks = [dataclasses.replace(t, data=dataclasses.replace(t.data, **cleared)) for t in cfg.tasks]
     return dataclasses.replace(cfg, data=data, tasks=tasks)
 
@@ -175,28 +157,14 @@ class Heldout:
                 "objective module (a run or checkpoint), not a bare model directory"
             )
         out: dict[str, float] = {}
-        with measured_on(module, self.data, self.split):
+        # bits per byte of this set's text; the run's own bytes per token come back afterwards
+        with module.bytes_measured_on(self.data, self.split):
             for prefix, batches in module.evaluation_streams(self.data, self.entry.task, self.split):
                 batches = module.evaluation_batches(batches, self.data.label_names, self.labels)
                 for key, value in evaluate_batches(module, batches).items():
                     name = key.rsplit("/", 1)[-1]  # a mixture's metrics come as <task>/<name>
                     out[prefix + EVALUATE_NAMES.get(name, name)] = float(value)
         return out
-
-
-@contextmanager
-def measured_on(module: Any, data: Any, split: str) -> Iterator[None]:
-    """The module's bits per byte measured on `split` of `data` for the duration: the bytes per
-    token of the run's own validation text come back afterwards, or training's next validation
-    would divide its loss by this set's."""
-    # ObjectiveBase keeps it in bytes_per_token, MultiTaskLM per task in _task_bpb
-    saved = {name: getattr(module, name) for name in ("bytes_per_token", "_task_bpb") if hasattr(module, name)}
-    module.measure_bytes_on(data, split)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 class MaskedHeldout:

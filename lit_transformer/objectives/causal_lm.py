@@ -6,45 +6,19 @@ Shape legend: B batch, T length, V vocabulary.
 
 from __future__ import annotations
 
-from typing import Unpack
-
 import torch
 
-from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.objectives.fused_loss import linear_cross_entropy
-from lit_transformer.objectives.metrics import TokenAverage, token_cross_entropy
-from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.metrics import token_cross_entropy
+from lit_transformer.objectives.objective_base import LanguageModelObjective
 from lit_transformer.recipe.registry import implements
-from lit_transformer.recipe.schema import OptimConfig
 
 
 @implements("clm")
-class CausalLM(ObjectiveBase):
+class CausalLM(LanguageModelObjective):
     compiles_whole_step = True  # its losses go through loss_terms
     reports_bits_per_byte = True  # every token of the text, predicted in order
-
-    def __init__(
-        self,
-        model: TransformerConfig | LanguageModel | dict,
-        optim: OptimConfig | dict | None = None,
-        max_steps: int | None = None,
-        *,
-        bytes_per_token: float | None = None,
-        **options: Unpack[ObjectiveOptions],
-    ):
-        """`model`: a config to build and initialise, or a LanguageModel to train further."""
-        lm = as_language_model(model)
-        super().__init__(
-            model_config=lm.config,
-            optim=optim,
-            max_steps=max_steps,
-            bytes_per_token=bytes_per_token,
-            hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token},
-            **options,
-        )
-        self.model = lm
-        self.eval_metrics["loss"] = TokenAverage()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Next-token logits (B, T, V)."""

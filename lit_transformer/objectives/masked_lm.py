@@ -9,44 +9,18 @@ Shape legend: B batch, T length, C model width, N masked positions in the batch,
 
 from __future__ import annotations
 
-from typing import Unpack
-
 import torch
 
-from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.objectives.metrics import IGNORE_INDEX, TokenAverage, token_cross_entropy
-from lit_transformer.objectives.objective_base import ObjectiveBase, ObjectiveOptions, as_language_model
+from lit_transformer.objectives.metrics import IGNORE_INDEX, token_cross_entropy
+from lit_transformer.objectives.objective_base import LanguageModelObjective
 from lit_transformer.recipe.registry import implements
-from lit_transformer.recipe.schema import OptimConfig
 
 
 @implements("mlm")
-class MaskedLM(ObjectiveBase):
+class MaskedLM(LanguageModelObjective):
     compiles_whole_step = True  # its losses go through loss_terms
-
-    def __init__(
-        self,
-        model: TransformerConfig | LanguageModel | dict,
-        optim: OptimConfig | dict | None = None,
-        max_steps: int | None = None,
-        *,
-        bytes_per_token: float | None = None,
-        **options: Unpack[ObjectiveOptions],
-    ):
-        """`model`: a config to build and initialise, or a LanguageModel to train further."""
-        lm = as_language_model(model)
-        super().__init__(
-            model_config=lm.config,
-            optim=optim,
-            max_steps=max_steps,
-            bytes_per_token=bytes_per_token,
-            hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token},
-            **options,
-        )
-        self.model = lm
-        self.eval_metrics["loss"] = TokenAverage()
-        self.eval_metrics["masked_accuracy"] = TokenAverage()
+    token_averages = ("loss", "masked_accuracy")
 
     def forward(
         self,

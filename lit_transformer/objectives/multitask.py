@@ -213,6 +213,13 @@ class MultiTaskLM(ObjectiveBase):
             [data.bytes_per_token_of(i, split) for i in range(len(self.tasks))]
         )
 
+    def bytes_state(self) -> list[float | None]:
+        """Each task's bytes per token for bits per byte (None where it means nothing)."""
+        return list(self._task_bpb)
+
+    def restore_bytes_state(self, state: list[float | None]) -> None:
+        self._task_bpb = list(state)
+
     # ------------------------------------------------------------------ internals
     def _terms(self, task: dict[str, str], batch: dict[str, Any], label_smoothing: float, z_loss: float = 0.0):
         """(loss sum, NLL sum, target count, correct predictions) of the task's objective."""

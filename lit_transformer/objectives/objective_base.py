@@ -4,7 +4,8 @@ metrics (loss, perplexity, learning rate, gradient norm), the non-finite loss gu
 evaluation plumbing (validation, test and `evaluate_batches`) and the FSDP2 hook. Throughput
 and MFU (train/tokens_per_s, train/mfu) are measured by training.throughput.Throughput, which
 `configure_callbacks` attaches to every Trainer: each training step hands it a StepWork, and
-`flops_config` says which configuration's FLOPs a step spends.
+`flops_config` says which configuration's FLOPs a step spends. LanguageModelObjective, below, is
+the one constructor of CausalLM and MaskedLM.
 
 Training metrics, logged with `self.log` at every step (the Trainer's log_every_n_steps
 decides what reaches the logger):
@@ -35,7 +36,8 @@ Shape legend: B batch, T length.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypedDict, Unpack
 
 import lightning as L
@@ -44,7 +46,7 @@ from torch import nn
 
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
-from lit_transformer.objectives.metrics import bits_per_byte
+from lit_transformer.objectives.metrics import TokenAverage, bits_per_byte
 from lit_transformer.objectives.optim import TrainingClock, build_optimizer, make_scheduler, parameter_groups
 from lit_transformer.recipe.schema import OptimConfig, RunConfig
 from lit_transformer.training.checkpoints import MODEL_CONFIG_KEY, OBJECTIVE_KEY
@@ -140,7 +142,9 @@ class ObjectiveBase(L.LightningModule):
         self.max_time = options["max_time"]
         # seconds of training so far (run by training.TimeBudget, saved in checkpoints)
         self.train_clock = TrainingClock()
-        self.skipped_steps = 0
+        # optimizer steps skipped for a non-finite loss or gradient, saved in checkpoints: what
+        # training.callbacks.NonFiniteGuard reads to stop a run after nonfinite_patience in a row
+        self.skipped_steps: int = 0
         self.eval_metrics = nn.ModuleDict()
         self.step_work: StepWork | None = None  # this batch's work, taken by the Throughput callback
 
@@ -218,6 +222,27 @@ class ObjectiveBase(L.LightningModule):
         not the validation split's) for the evaluations that follow."""
         if self.bytes_per_token is not None:
             self.bytes_per_token = data.split_bytes_per_token(split)
+
+    def bytes_state(self) -> Any:
+        """The bytes per token that bits per byte divides by now (what measure_bytes_on sets),
+        for restore_bytes_state."""
+        return self.bytes_per_token
+
+    def restore_bytes_state(self, state: Any) -> None:
+        """Put back what bytes_state returned."""
+        self.bytes_per_token = state
+
+    @contextmanager
+    def bytes_measured_on(self, data: Any, split: str) -> Iterator[None]:
+        """measure_bytes_on(data, split) for the duration of the block; the bytes per token from
+        before come back afterwards (or training's next validation would divide its loss by
+        that set's)."""
+        saved = self.bytes_state()
+        self.measure_bytes_on(data, split)
+        try:
+            yield
+        finally:
+            self.restore_bytes_state(saved)
 
     def evaluation_batches(self, batches: Any, data_labels: list | None, model_labels: list | None) -> Any:
         """The batches `evaluate` feeds this module, given the label names the evaluation data
@@ -435,3 +460,34 @@ class ObjectiveBase(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         self.train_clock.reset(float(checkpoint.get("train_seconds", 0.0)))
+
+
+class LanguageModelObjective(ObjectiveBase):
+    """The constructor of the objectives that train a LanguageModel on one text stream with one
+    bytes per token (CausalLM, MaskedLM); `token_averages` names their eval_metrics, each a
+    TokenAverage."""
+
+    token_averages: tuple[str, ...] = ("loss",)
+
+    def __init__(
+        self,
+        model: TransformerConfig | LanguageModel | dict,
+        optim: OptimConfig | dict | None = None,
+        max_steps: int | None = None,
+        *,
+        bytes_per_token: float | None = None,
+        **options: Unpack[ObjectiveOptions],
+    ):
+        """`model`: a config to build and initialise, or a LanguageModel to train further."""
+        lm = as_language_model(model)
+        super().__init__(
+            model_config=lm.config,
+            optim=optim,
+            max_steps=max_steps,
+            bytes_per_token=bytes_per_token,
+            hparams={"model": lm.config.to_dict(), "bytes_per_token": bytes_per_token},
+            **options,
+        )
+        self.model = lm
+        for name in self.token_averages:
+            self.eval_metrics[name] = TokenAverage()

@@ -99,15 +99,7 @@ def pipeline(task: TaskConfig, arch: str) -> str:
 def task_data(cfg: RunConfig, task: TaskConfig) -> DataConfig:
     """The recipe's data section with the task's `data` overrides and objective parameters."""
     changes = {k: v for k, v in dataclasses.asdict(task.data).items() if v is not None}
-    for key in (
-        "train_files",
-        "val_files",
-        "test_files",
-        "source_files",
-        "target_files",
-        "val_source_files",
-        "val_target_files",
-    ):
+    for key in DataConfig.FILE_KEYS:
         if isinstance(changes.get(key), str):  # one file where a list is expected
             changes[key] = [changes[key]]
     changes.update({k: getattr(task, k) for k in _OBJECTIVE_PARAMETERS if getattr(task, k) is not None})
