@@ -140,10 +140,10 @@ def matmul_dtype(precision: str) -> torch.dtype:
 def bf16_is_native(device: str) -> bool:
     """CUDA, or a CPU with bf16 matrix instructions (AMX, AVX512-BF16). Elsewhere torch emulates
     bf16 matrix products, many times slower than float32, so a bf16 figure would measure the
-    emulation. The CPU rule is the recipes' own (recipe/load.py default_precision)."""
+    emulation. The CPU rule is the recipes' own (run/resolve.py default_precision)."""
     if device.startswith("cuda"):
         return True
-    from lit_transformer.recipe.load import default_precision
+    from lit_transformer.run.resolve import default_precision
 
     return default_precision("bf16-mixed", "cpu") != "32-true"
 

@@ -88,6 +88,14 @@ VOCAB = {
 TINY_DROPOUT_RUN = [*TINY_RUN, "model.dropout=0.1", "optim.warmup_steps=2"]
 
 
+def tiny_run_config(run_dir: Path, *extra: str, base: list[str] = TINY_RUN, recipe: str = "tiny-clm"):
+    """`recipe` read with `base`'s overrides (TINY_RUN unless a file needs more), run.dir=`run_dir`,
+    then `extra`: the run config of the training tests."""
+    from lit_transformer.recipe.load import load_recipe
+
+    return load_recipe(RECIPES / f"{recipe}.yaml", [*base, f"run.dir={run_dir}", *extra])
+
+
 def tiny_dropout_pretrain(run_dir: Path, *extra: str, recipe: str = "tiny-clm") -> list[str]:
     """The `pretrain` command line of `recipe` at TINY_DROPOUT_RUN's sizes in `run_dir`."""
     return ["pretrain", str(RECIPES / f"{recipe}.yaml"), *TINY_DROPOUT_RUN, f"run.dir={run_dir}", *extra]
@@ -325,6 +333,26 @@ def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+# The strategies of the 2-process jobs and each one's overrides. data.batch_size is per device:
+# two ranks of 3 rows make the global batch of 6 that the one-process reference runs (ONE_RANK).
+TWO_RANKS = {
+    strategy: [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"] for strategy in ("ddp", "fsdp")
+}
+ONE_RANK = ["data.batch_size=6"]
+
+
+def two_rank_job(folder: Path, script: str, args: list[str], cache: Path, timeout: int) -> dict[str, Path]:
+    """The 2-process fixture of the distributed tests: `script` (a program's source) written to
+    `folder`/run.py and run once as a 2-process gloo job (run_two_ranks) with `folder` then `args`
+    as its arguments. The script trains under each strategy of TWO_RANKS in turn, in this one
+    launch (each process spends seconds on its imports), into `folder`/<strategy>; returns
+    {strategy: that folder}."""
+    script_path = folder / "run.py"
+    script_path.write_text(script)
+    run_two_ranks(script_path, [str(folder), *args], cache, folder, timeout=timeout)
+    return {strategy: folder / strategy for strategy in TWO_RANKS}
 
 
 def optional(module: str, extra: str):

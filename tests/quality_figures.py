@@ -34,9 +34,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--assume-bf16-cpu"):
-        from lit_transformer.recipe import load
+        from lit_transformer import machine
 
-        load._cpu_flags = lambda: {"avx2", "avx512f", "avx512_bf16"}  # before any recipe is read
+        machine.cpu_flags = lambda: {"avx2", "avx512f", "avx512_bf16"}  # before any recipe is read
 
 
 def pytest_assertion_pass(item, lineno, orig, expl):

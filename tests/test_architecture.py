@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +19,27 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lit_transformer"
 # Bottom to top, one folder (or leaf module) a name; a module may import from its own layer and
 # the layers below it.
 LAYERS = [
-    {"model", "data", "errors", "lazy"},  # the core, the data pipeline, the shared errors and lazy exports
+    # the core, the data pipeline, and the shared leaves: errors, lazy exports, the machine's
+    # probes (bf16 matrix units, GPUs, threads) and the constants torch-free and torch code share
+    {"model", "data", "errors", "lazy", "machine", "constants"},
     {"recipe"},  # the schema, reading recipes, the objective registry, mixtures of tasks
     {"training"},  # trainer factory, callbacks, DDP/FSDP2, checkpoints, run directories, start-up checks
     {"objectives"},
     {"evaluation"},  # named evaluations (the recipe's eval section), in training and by `evaluate`
+    {"run"},  # the resolver (one frozen resolved run) and the model sources commands load
     {"commands"},  # the command line and each command's work
     {"__init__"},
 ]
 # What the bottom layers may import besides themselves: the leaves every layer shares.
-SHARED_LEAVES = {"lit_transformer.errors", "lit_transformer.lazy"}
+SHARED_LEAVES = {
+    "lit_transformer.errors",
+    "lit_transformer.lazy",
+    "lit_transformer.machine",
+    "lit_transformer.constants",
+}
+# What a layer may not import although it sits above it: a recipe means the same on every machine
+# (the resolver, run/resolve.py, asks the machine and applies the recipe's rules to the answer).
+NOT_IMPORTED = {"recipe": {"machine"}}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -122,11 +134,10 @@ def test_layers_import_only_downwards():
     graph = import_graph()
     every = {module.split(".")[1] for module in graph if "." in module} | {"__init__"}
     assert every <= set().union(*LAYERS), f"modules missing from LAYERS: {every - set().union(*LAYERS)}"
-    upward = [(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
-    assert upward == []
+    assert upward_imports(graph) == []
 
 
-@pytest.mark.parametrize("bottom", ["model", "data", "errors", "lazy"])
+@pytest.mark.parametrize("bottom", ["model", "data", "errors", "lazy", "machine", "constants"])
 def test_the_bottom_imports_nothing_from_above(bottom):
     graph = import_graph()
     prefix = f"lit_transformer.{bottom}"
@@ -138,14 +149,91 @@ def test_the_bottom_imports_nothing_from_above(bottom):
         if not (b == prefix or b.startswith(prefix + ".")) and b not in SHARED_LEAVES
     }
     assert outside == set()
-    if bottom in ("errors", "lazy"):  # the shared leaves import nothing at all from the package
+    if bottom in ("errors", "lazy", "machine", "constants"):  # the shared leaves import nothing at all from the package
         assert graph[prefix] == set()
 
 
-def test_every_folder_says_what_lives_there_and_what_it_may_import():
-    for init in PACKAGE.glob("*/__init__.py"):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "import" in doc.lower(), f"{init.parent.name}/__init__.py's docstring does not say what it may import"
+def allowed_imports(top: str) -> set[str]:
+    """The folders and leaf modules that `top` (a name in LAYERS) may import: the shared leaves
+    for the bottom layer, else every name of its own layer and the layers below it."""
+    if top in LAYERS[0]:
+        return {leaf.rpartition(".")[2] for leaf in SHARED_LEAVES} - {top}
+    below = set().union(*LAYERS[: layer_of(f"lit_transformer.{top}") + 1]) - {top, "__init__"}
+    return below - NOT_IMPORTED.get(top, set())
+
+
+# The sentence of a folder's docstring that says what it may import: from "Imports" at the start
+# of a line to the first ";", ":" or full stop; the names are the backquoted ones in it, a folder
+# with its trailing slash (`model/`).
+IMPORTS_SENTENCE = re.compile(r"^Imports\b(.*?)(?:[;:]|\.(?:\s|$))", re.MULTILINE | re.DOTALL)
+
+
+def docstring_disagreements(root: Path = PACKAGE) -> dict[str, str]:
+    """{folder: what is wrong} for each folder of `root` whose __init__ docstring has no "Imports
+    ..." sentence, or one whose names differ from allowed_imports."""
+    wrong = {}
+    for init in sorted(root.glob("*/__init__.py")):
+        top = init.parent.name
+        if top not in set().union(*LAYERS):
+            wrong[top] = "not in LAYERS"
+            continue
+        sentence = IMPORTS_SENTENCE.search(ast.get_docstring(ast.parse(init.read_text())) or "")
+        if sentence is None:
+            wrong[top] = 'no "Imports ..." sentence in the docstring'
+            continue
+        said = {name.rstrip("/") for name in re.findall(r"`([^`]+)`", sentence.group(1))}
+        if said != allowed_imports(top):
+            wrong[top] = f"says {sorted(said)}, LAYERS allows {sorted(allowed_imports(top))}"
+    return wrong
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for each import of a higher layer than the importer's."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_the_checkers_find_a_wrong_docstring_and_an_upward_import(tmp_path):
+    """The checkers themselves: a folder docstring that leaves out a layer it may import, one
+    that names a layer above it, one with no "Imports" sentence, and a model module that imports
+    from recipe/ are each found; a docstring that names exactly what LAYERS allows passes."""
+    package = tmp_path / "lit_transformer"
+
+    def folder(name: str, doc: str, **modules: str) -> None:
+        (package / name).mkdir(parents=True)
+        (package / name / "__init__.py").write_text(f'"""{doc}"""\n')
+        for module, text in modules.items():
+            (package / name / f"{module}.py").write_text(text)
+
+    def names(top: str) -> str:
+        return ", ".join(f"`{n}/`" if (PACKAGE / n).is_dir() else f"`{n}`" for n in sorted(allowed_imports(top)))
+
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    folder("model", f"The core.\n\nImports {names('model')}: no Lightning.", layers="from ..recipe import schema\n")
+    folder("recipe", f"Recipes.\n\nImports {names('recipe')}; no torch.", schema="")
+    folder("training", f"Training.\n\nImports {names('training')}, `objectives/`.")
+    folder("objectives", "Objectives.\n\nImports `model/` and `data/`.")  # leaves out layers it may import
+    folder("commands", "Commands. May import every layer below.")  # no "Imports" sentence
+    assert docstring_disagreements(package).keys() == {"training", "objectives", "commands"}
+    assert "objectives" in docstring_disagreements(package)["training"]
+    assert upward_imports(import_graph(package)) == [("lit_transformer.model.layers", "lit_transformer.recipe.schema")]
+
+
+def test_every_folder_says_what_it_may_import_as_layers_allows():
+    """Each folder's __init__ docstring names, in its "Imports ..." sentence, exactly the folders
+    and leaf modules that LAYERS lets it import."""
+    assert docstring_disagreements() == {}
+
+
+def test_no_layer_imports_what_it_must_not():
+    graph = import_graph()
+    found = {
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if "." in a and b.split(".")[1] in NOT_IMPORTED.get(a.split(".")[1], set())
+    }
+    assert found == set()
 
 
 def test_the_recipe_layer_imports_no_torch_even_inside_functions():

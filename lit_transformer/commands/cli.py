@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lit_transformer.constants import BATCH_ROWS, BATCH_TOKENS
 from lit_transformer.errors import RecipeError, RunError
 
 
@@ -74,16 +75,21 @@ RECIPE_EPILOG = (
 )
 TARGET = arg("target", metavar="RUN_OR_CKPT")
 JSON = arg("--json", action="store_true", help="print one JSON object")
-# the defaults copy batch_generate.BATCH_ROWS and BATCH_TOKENS, which this module cannot import without torch
 BATCHING = (
-    arg("--batch-size", type=int, default=256, metavar="N", help="at most N inputs decoded together (default 256)"),
+    arg(
+        "--batch-size",
+        type=int,
+        default=BATCH_ROWS,
+        metavar="N",
+        help=f"at most N inputs decoded together (default {BATCH_ROWS})",
+    ),
     arg(
         "--batch-tokens",
         type=int,
-        default=8192,
+        default=BATCH_TOKENS,
         metavar="N",
         help="at most N tokens in a batch's decode buffer, each input counted as the batch's longest prompt "
-        "plus the new-token budget, times --num-beams (default 8192; a longer input goes alone)",
+        f"plus the new-token budget, times --num-beams (default {BATCH_TOKENS}; a longer input goes alone)",
     ),
     arg(
         "--dtype",
@@ -197,9 +203,10 @@ def loaded_recipe(args: argparse.Namespace):
     cfg = load_recipe(args.recipe, args.overrides)
     if not args.print_config:
         return cfg
-    from lit_transformer.commands.run_config import finish_config
+    from lit_transformer.run.resolve import resolve_run
 
-    print(to_yaml(finish_config(cfg, read_source=False)), end="")  # `auto` values as the run resolves them
+    # `auto` values and the precision as the run resolves them
+    print(to_yaml(resolve_run(cfg, read_source=False, training=False).config), end="")
     return None
 
 

@@ -16,23 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_transformer.commands.loading import (
-    Source,
-    load_for_evaluation,
-    load_language_model,
-    resolve_source,
-    source_model_config,
-    source_objective,
-)
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.batch_generate import BATCH_ROWS, BATCH_TOKENS, check_batching
 from lit_transformer.evaluation.callback import eval_target
 from lit_transformer.evaluation.suite import build_suite, run_suite
+from lit_transformer.machine import cpu_threads
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.load import load_suite
 from lit_transformer.recipe.schema import RunConfig
-from lit_transformer.training.auto_resolve import cpu_threads
+from lit_transformer.run.loading import (
+    Source,
+    load_for_evaluation,
+    resolve_source,
+    source_model_config,
+)
+from lit_transformer.run.resolve import evaluation_run
 from lit_transformer.training.checkpoints import checkpoint_step
 from lit_transformer.training.rundir import CHECKPOINT_DIR, CONFIG_YAML
 
@@ -97,7 +96,7 @@ def evaluate_suite(
     own = split or (None if named else "validation")
     check_data_flags(own, data, data_target, task, max_batches)
     source = resolve_source(target)
-    cfg = run_config(source, target)
+    cfg = evaluation_run(source, target)
     entries = chosen_entries(cfg, suite, eval_names, target, everything=not named)
     cap = None if max_batches is None else max_batches * (cfg.data.eval_batch_size or cfg.data.batch_size)
     made = made_entries(source, cfg, target, own, data, data_target, task, cap, decoding)
@@ -241,25 +240,6 @@ class ModelData:
 
     def bytes_per_token_of(self, task: int, split: str = "validation") -> float:
         return self.bytes_per_token
-
-
-def run_config(source: Source, target: str) -> RunConfig:
-    """The run's config with its tokenizer; for a model directory outside a run (an exported
-    transformers model), the defaults for its architecture's objective and its tokenizer.json.
-    objective.bleu is off: evaluate decodes in translate entries, not in every heldout batch."""
-    if source.tokenizer is None:
-        raise RunError(f"{target}: evaluate needs the model's tokenizer.json beside it (in the run or model directory)")
-    cfg = source.run_config
-    if cfg is None:
-        arch = load_language_model(source).config.arch
-        cfg = RunConfig()
-        cfg.objective.name = source_objective(source) if source.kind == "model" else registry.DEFAULT_FOR_ARCH[arch]
-        cfg.model.arch = arch
-    return dataclasses.replace(
-        cfg,
-        tokenizer=dataclasses.replace(cfg.tokenizer, path=str(source.tokenizer)),
-        objective=dataclasses.replace(cfg.objective, bleu=False),
-    )
 
 
 def chosen_entries(cfg: RunConfig, suite: str | None, names: Sequence[str], target: str, *, everything: bool):

@@ -1,5 +1,5 @@
 """Commands that use a trained model to write: `generate` and `export` (`evaluate` is
-evaluate.py). Each resolves its RUN_OR_CKPT argument with loading.py and asks the registry what
+evaluate.py). Each resolves its RUN_OR_CKPT argument with run/loading.py and asks the registry what
 the model's objective can do.
 """
 
@@ -9,12 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lit_transformer.commands.loading import (
-    load_language_model,
-    resolve_source,
-    source_model_config,
-    source_objective,
-)
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.batch_generate import (
     BATCH_ROWS,
@@ -28,6 +22,12 @@ from lit_transformer.evaluation.batch_generate import (
 )
 from lit_transformer.evaluation.batch_generate import generate_file as run_file
 from lit_transformer.recipe import registry
+from lit_transformer.run.loading import (
+    load_language_model,
+    resolve_source,
+    source_model_config,
+    source_objective,
+)
 
 
 def batch_generator(

@@ -24,24 +24,18 @@ from lit_transformer.model.accounting import (
     train_flops,
 )
 from lit_transformer.model.config import PRESETS, ConfigError, TransformerConfig, preset
-from lit_transformer.recipe.auto_rules import auto_keys
 from lit_transformer.recipe.catalog import resolve_recipe, shipped_recipes
 from lit_transformer.recipe.load import load_recipe
-from lit_transformer.recipe.model_section import model_config, model_overrides
+from lit_transformer.run.resolve import ResolvedRun, resolve_run
 
 BF16_BYTES = 2
 
 
 @functools.lru_cache(maxsize=4)
-def resolved_recipe(target: str, overrides: tuple[str, ...]):
-    """load_recipe, with `auto` values resolved as a run would resolve them (recipe/auto_rules.py; this
-    measures the step speed, so once per recipe and overrides)."""
-    recipe = load_recipe(target, overrides)
-    if not auto_keys(recipe):
-        return recipe
-    from lit_transformer.training.auto_resolve import resolve_auto  # torch: only for a recipe with auto values
-
-    return resolve_auto(recipe)
+def resolved_recipe(target: str, overrides: tuple[str, ...]) -> ResolvedRun:
+    """The recipe resolved as a run resolves it (run/resolve.py: `auto` values measure the step
+    speed, so once per recipe and overrides)."""
+    return resolve_run(load_recipe(target, overrides), training=False)
 
 
 def recipe_target(target: str) -> str | None:
@@ -71,17 +65,12 @@ def load_model_config(target: str, overrides: Sequence[str] = ()) -> tuple[str, 
         if overrides:
             raise RecipeError("key=value overrides apply to recipes, not presets")
         return target, target, preset(target)
-    recipe = resolved_recipe(path, tuple(overrides))
-    name = os.path.splitext(os.path.basename(path))[0]
-    if recipe.finetune.from_ is None:
-        return name, recipe.model.preset, model_config(recipe)
-    from lit_transformer.commands.loading import resolve_source, source_model_config  # reads the source's model config
-
-    config = source_model_config(resolve_source(recipe.finetune.from_))
     try:
-        return name, recipe.model.preset, config.replace(**model_overrides(recipe))
-    except ConfigError as error:
+        run = resolved_recipe(path, tuple(overrides))
+    except ConfigError as error:  # a fine-tuning recipe's model keys on finetune.from's config
         raise RecipeError(f"{path}: {error}") from None
+    name = os.path.splitext(os.path.basename(path))[0]
+    return name, run.config.model.preset, run.model
 
 
 def info(
@@ -190,13 +179,12 @@ def plan(
         raise RecipeError(f"{target}: --plan needs a recipe (a preset has no trainer or data section)")
     # preflight and pack import torch: only a plan pays for it, so that plain `info` stays light
     from lit_transformer.data.tokens.pack import token_dtype
-    from lit_transformer.recipe.model_section import longest_input
     from lit_transformer.training import preflight
 
-    recipe = resolved_recipe(path, tuple(overrides))
+    run = resolved_recipe(path, tuple(overrides))
     _, _, cfg = load_model_config(path, overrides)
-    t, data = recipe.trainer, recipe.data
-    length_key, tokens = longest_input(recipe)
+    t, data = run.config.trainer, run.config.data
+    length_key, tokens = run.longest_input
     memory = preflight.estimate(t, data, cfg, tokens)
     sequences = data.batch_size if data.batch_tokens is None else max(data.batch_tokens // tokens, 1)
     devices = preflight.processes_per_node(t)

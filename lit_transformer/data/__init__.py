@@ -1,6 +1,6 @@
 """Data pipeline: corpora, tokenizers, packing and token cache, collators, samplers, data modules.
 
-Imports nothing from the package but `errors` and `lazy`.
+Imports nothing from the package but `errors`, `lazy`, `machine` and `constants`.
 
 Training code needs: `TextDataModule`, `DataConfig`, `TokenizerConfig`, `SpecialTokens`,
 `check_tokenizer` (and `tokens.prepare.prepare`; `DataError` is in lit_transformer.errors); the rest is

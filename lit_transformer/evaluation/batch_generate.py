@@ -24,24 +24,15 @@ from typing import TextIO
 
 import torch
 
+from lit_transformer.constants import BATCH_ROWS, BATCH_TOKENS
 from lit_transformer.errors import RunError
 from lit_transformer.evaluation.prompts import complete_ids, decode_new, encode_prompt, generated_length, with_prompt
+from lit_transformer.machine import cpu_has_bf16_matmul
 from lit_transformer.model.packed_linear import packed_linears
-from lit_transformer.recipe.load import cpu_has_bf16_matmul
 from lit_transformer.recipe.registry import PromptStyle
 
 CHUNK_LINES = 4096  # inputs sorted together: enough for similar lengths, few MB of text at most
 SHOWN_NOTES = 3  # truncation notices printed one by one before only the count is kept
-# A batch's decode buffer in tokens (rows x (longest prompt + new tokens) x beams). The KV cache
-# costs 2 x layers x d_model values per token: 36 KiB in bf16 for a 12-layer, 768-wide model, so
-# 8192 tokens hold about 300 MB of cache, and at 64 to 256 tokens a row that is 32 to 128 rows,
-# enough to keep each step's matrix products busy where a handful of rows would leave them
-# memory-bound.
-BATCH_TOKENS = 8192
-# Rows at most, whatever the token budget: the per-step logits (rows x beams x vocabulary) are
-# not in the token count, and short prompts with a small new-token budget would otherwise make
-# thousands of rows.
-BATCH_ROWS = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -1,4 +1,5 @@
-"""The recipe's `eval` section during training: every named evaluation on the initial weights,
+"""What a run evaluates while it trains: the sample generations after every validation
+(`SampleGenerations`), and the recipe's `eval` section: every named evaluation on the initial weights,
 at each validation that is due (`every_n_steps`) and once more on the final weights, logged as `eval/<name>/<metric>`
 to every logger (W&B, CSV) and returned for metrics.json.
 
@@ -12,18 +13,24 @@ cost is the same, since rank 0 would otherwise run the same work while the other
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import WandbLogger
 
 from lit_transformer.evaluation.eval_target import EvalTarget, Evaluation
+from lit_transformer.evaluation.prompts import complete, encode_prompt, show_prompt
 from lit_transformer.evaluation.suite import run_suite
+from lit_transformer.recipe import registry
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.recipe.tasks import trains_bidirectional_mode
-from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters
+from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters, is_sharded
+from lit_transformer.training.rundir import SAMPLES_FILE
 
 
 def eval_target(module: Any, cfg: RunConfig, tokenizer: Any, special: Any) -> EvalTarget:
@@ -91,3 +98,84 @@ class NamedEvaluations(Callback):
         self.latest = {**self.latest, **metrics}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+
+# ----------------------------------------------------------------------------- sample generations
+
+
+class SampleGenerations(Callback):
+    """After every validation of a generative objective (clm, span, seq2seq), generate from a few
+    fixed prompts and log them as a W&B table `samples` (and a JSON line in samples.jsonl).
+
+    `sample` returns (prompt, completion) pairs (validation_sampler builds the run's). It must not
+    draw from the global random generator (use greedy decoding or its own torch.Generator)."""
+
+    def __init__(self, sample: Callable[[L.LightningModule], list[tuple[str, str]]], run_dir: Path):
+        self.sample = sample
+        self.run_dir = run_dir
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, dm: Any, run_dir: Path) -> SampleGenerations:
+        return cls(validation_sampler(cfg, dm), run_dir)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if not trainer.is_global_zero and not is_sharded(pl_module):
+            return
+        # FSDP2: every rank gathers, rank 0 generates; eagerly: each decoding step has another key length
+        with gathered_parameters(pl_module), eager_outside_the_step(pl_module):
+            pairs = self.sample(pl_module) if trainer.is_global_zero else []
+        if not trainer.is_global_zero:
+            return
+        step = trainer.global_step
+        with (self.run_dir / SAMPLES_FILE).open("a") as file:
+            file.write(json.dumps({"step": step, "samples": [{"prompt": p, "completion": c} for p, c in pairs]}) + "\n")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table(
+                    key="samples",
+                    columns=["step", "prompt", "completion"],
+                    data=[[step, p, c] for p, c in pairs],
+                    step=step,
+                )
+
+
+def validation_sampler(cfg: RunConfig, dm) -> Callable[[Any], list[tuple[str, str]]]:
+    """The SampleGenerations callback's sampler: fixed prompts (the recipe's, else the starts
+    of the first validation examples as the collator builds them), decoded with a seeded
+    generator so sampling never touches the global one."""
+    g = cfg.generation
+    style = registry.spec(cfg.objective.name).prompt_for(cfg.model.arch)
+    tokenizer, special = dm.tokenizer, dm.special_tokens
+    if g.prompts:
+        prompts = [encode_prompt(p, tokenizer, special, style) for p in g.prompts]
+    else:
+        # no truth test on the loader: a streaming split's DataLoader has no len()
+        batch = next(iter(dm.generation_dataloader()), None)
+        prompts = []
+        if batch is not None:
+            for ids, mask in zip(batch["input_ids"][: g.num_prompts], batch["attention_mask"][: g.num_prompts]):
+                row = ids[mask.bool()].tolist()
+                prompts.append(row[: g.prompt_tokens] if style == "continue" else row)
+    shown = [show_prompt(tokenizer, style, p) for p in prompts]
+    options = dict(do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+
+    def sample(module) -> list[tuple[str, str]]:
+        if not prompts:
+            return []
+        device = next(module.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(cfg.trainer.seed)
+        texts = complete(
+            module.model,
+            tokenizer,
+            special,
+            style,
+            prompts,
+            max_new_tokens=g.max_new_tokens,
+            generator=generator,
+            **options,
+        )
+        return list(zip(shown, texts))
+
+    return sample

@@ -1,7 +1,7 @@
 """The shared Transformer core: config, attention, positions, layers, heads, generation,
 accounting, transformers interop.
 
-Imports nothing from the package but `errors` and `lazy`: no Lightning, no distributed code.
+Imports nothing from the package but `errors`, `lazy`, `machine` and `constants`: no Lightning, no distributed code.
 
 The public names are imported on first use (PEP 562), so that `from lit_transformer.model.config
 import preset` does not import torch: the command line's `info` and `--help` stay instant.

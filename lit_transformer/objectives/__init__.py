@@ -1,6 +1,6 @@
 """Training objectives: one LightningModule per objective on a shared base; losses, metrics, optimizers.
 
-Imports `model/`, `data/`, `recipe/`, `training/` and `errors`.
+Imports `model/`, `data/`, `recipe/`, `training/`, `errors`, `lazy`, `machine` and `constants`.
 
 Importing this package registers every built-in objective with the registry
 (`registry.implements`); `objective_class(name)` then returns its class.

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from lit_transformer.constants import LOSS_CHUNK_ROWS, LOSS_GPU_PIECE_BYTES
 from lit_transformer.objectives.metrics import IGNORE_INDEX
 
-CHUNK_ROWS = 2048  # (R, V) logits in the compute dtype: 200 MB in bf16 at V = 50,257; few chunks keep matmuls large
+# (R, V) logits in the compute dtype: 200 MB in bf16 at V = 50,257; few chunks keep matmuls large
+CHUNK_ROWS = LOSS_CHUNK_ROWS
 # The float32 work on the logits (log-softmax, exp, mask) runs on pieces of at most this many
 # bytes, written back as the gradient into the chunk's own logits buffer. A piece stays in the
 # cache, and glibc's malloc serves such a block from memory it keeps, where the (R, V) float32
@@ -39,7 +41,7 @@ PIECE_BYTES = 8 << 20
 # shorter than its launch (GPT-2's loss: 400 pieces of 41 rows per step of 16k tokens, seen in
 # `benchmarks/profile_step.py --device cuda`). Pieces of 128 MB are a few per chunk, and their two
 # float32 copies stay within the chunk's logits that `training/preflight.py` budgets for.
-ACCELERATOR_PIECE_BYTES = 128 << 20
+ACCELERATOR_PIECE_BYTES = LOSS_GPU_PIECE_BYTES
 # On CUDA the vocabulary is padded to a multiple of this for the matrix products: at an odd V
 # (GPT-2's 50,257) every product with the logits has a leading dimension cuBLAS cannot align,
 # and it falls back to slow align-1 kernels (seen in `benchmarks/profile_step.py --device cuda`;

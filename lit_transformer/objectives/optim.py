@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_transformer.machine import cpu_has_bf16_matmul
 from lit_transformer.model.transformer import Block
-from lit_transformer.recipe.load import cpu_has_bf16_matmul
 from lit_transformer.recipe.schema import OptimConfig
 
 

@@ -1,40 +1,32 @@
 """`auto` recipe values: the model's size, the vocabulary, dropout and the batch, from the
-training corpus and the budget (issue #25, docs/recipe-keys.md, "Sizing from the data").
+training corpus and the budget (docs/recipe-keys.md, "Sizing from the data").
 
 Four keys may say `auto`: `model.size`, `tokenizer.vocab_size`, `model.dropout` and
-`data.batch_size`. They resolve when a run starts (training.auto_resolve measures the step speed and
-calls `resolve` here), are printed, and are written into the run's config.yaml as plain values,
-so the run repeats without `auto`. This module holds the rules and the checks; it imports no
-torch: the budget arrives as a number of training tokens.
+`data.batch_size`. They resolve when a run starts (run/resolve.py, through
+training/auto_resolve.py, which measures the step speed and calls `resolve` here), are printed,
+and are written into the run's config.yaml as plain values, so the run repeats without `auto`.
+This module holds the rules and the checks; it imports no torch: the speed arrives as a
+function of the model.
 
-The rules, and the runs they come from (docs/time-to-quality.md, "Sizing from the data"; 2 CPU
-cores, causal LM, WikiText-2 and WMT news English tuning, Tatoeba held out):
+The rules (the runs they were fitted on, with their commands: docs/time-to-quality.md,
+"Sizing from the data"):
 - size: the largest shape of SHAPES that sees at least TOKENS_PER_WEIGHT training tokens per
-  weight outside the embeddings. It depends on the compute the budget buys, not on the corpus
-  (the corpus sets the vocabulary and dropout): on one machine every corpus of 0.58-12 MB got
-  d192 x 4 (issue #38). Fitted in one regime only: 2 CPU cores, 150-300 s, 1-3M training tokens, a
-  causal LM on 1.26 MB of WikiText-2 and 4.6 MB of WMT news (1.4-10 passes). There, with 1.2M
-  training tokens on WikiText-2, d192 x 4 layers (0.68 tokens per weight) beat d128 x 4, d128 x 6
-  and d256 x 4 (1.863 against 1.894 / 1.877 / 1.880 bits per byte); on WMT news, d256 x 4 (0.27
-  per weight) lost to it again (1.945 / 1.909). A budget that buys many passes over a small
-  corpus (a GPU, hours) gets a large shape no run here has checked.
+  weight outside the embeddings. It depends on the compute the budget buys, not on the corpus.
+  Fitted in one regime only (2 CPU cores, minutes, a causal LM): a budget that buys many passes
+  over a small corpus gets a large shape no run here has checked.
 - vocabulary: the power of two nearest corpus bytes / BYTES_PER_VOCAB_ENTRY, at most the width
   that keeps the tied head's matrix no larger than the blocks' (head FLOPs <= the blocks'), at
-  least MIN_VOCAB. On 1.26 MB of WikiText-2 with d192 x 4: 2k / 4k / 8k tokens gave 1.872 / 1.863
-  / 1.838 bits per byte.
-- dropout: rising with the expected passes over the corpus, from none below 1.5 passes to 0.2
-  from 8.5 (dropout_for), through the runs it comes from: 5 passes of WikiText-2 wanted 0.1
-  (0.0 / 0.1 / 0.2: 1.848 / 1.801 / 1.838), so 0.1 up to about 6.5 passes (speedrun-clm's 5.9);
-  10 passes 0.2 (0.1 / 0.2: 1.837 / 1.806); and 1.4 passes of WMT news none (0.1 / 0.0: 1.944 /
-  1.909).
-- batch: the largest power of two of rows that leaves at least MIN_STEPS optimizer steps: at
-  150 s, 559 steps of 16 rows beat 292 of 32 (1.820 / 1.863 bits per byte).
+  least MIN_VOCAB.
+- dropout: rising with the expected passes over the corpus, none below DROPOUT_FREE_PASSES
+  (dropout_for).
+- batch: the largest power of two of rows that leaves at least MIN_STEPS optimizer steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,23 +134,6 @@ def check(cfg: Any, source: str) -> None:
 STAND_IN = {"vocab_size": 8192, "dropout": 0.0, "batch_size": 16}  # any valid values: the shape is SHAPES[3]
 
 
-def stand_in(cfg: Any) -> Any:
-    """`cfg` with valid values in place of `auto`: the recipe's checks run on it at load, and the
-    rules size from it (every value they choose replaces a stand-in)."""
-    values = {"size": None}
-    if cfg.model.size == AUTO:
-        d_model, n_layers, n_heads = SHAPES[3]
-        values.update(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=4 * d_model)
-    if cfg.model.dropout == AUTO:
-        values["dropout"] = STAND_IN["dropout"]
-    tokenizer, data = cfg.tokenizer, cfg.data
-    if tokenizer.vocab_size == AUTO:
-        tokenizer = dataclasses.replace(tokenizer, vocab_size=STAND_IN["vocab_size"])
-    if data.batch_size == AUTO:
-        data = dataclasses.replace(data, batch_size=STAND_IN["batch_size"])
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **values), tokenizer=tokenizer, data=data)
-
-
 # ----------------------------------------------------------------------------- the rules
 
 
@@ -227,6 +202,7 @@ class Resolved:
     model: TransformerConfig
     tokens: float  # training tokens expected
     passes: float  # expected passes over the corpus
+    flops_per_second: float | None = None  # the speed measured (all ranks), with a time budget
 
     def summary(self) -> str:
         parts = []
@@ -236,13 +212,42 @@ class Resolved:
             else:
                 parts.append(f"{key}={value}")
         weights = non_embedding_parameters(self.model)
+        speed = f" at {self.flops_per_second / 1e9:.2f} GFLOP/s measured" if self.flops_per_second else ""
         return (
             f"auto: {', '.join(parts)} (about {self.tokens / 1e6:.2f}M training tokens for {weights / 1e6:.2f}M "
-            f"weights outside the embeddings, {self.passes:.1f} passes over the corpus)"
+            f"weights outside the embeddings, {self.passes:.1f} passes over the corpus){speed}"
         )
 
 
-def resolve(cfg: Any, base: TransformerConfig, budget: Budget) -> Resolved:
+def resolve(
+    cfg: Any,
+    base: TransformerConfig,
+    corpus_bytes: int,
+    world_size: int,
+    speed: Callable[[TransformerConfig], float] | None,
+) -> Resolved:
+    """The `auto` keys of `cfg`, in one pass: `base` is the model the recipe describes with
+    stand-ins for its `auto` values (model_section.stand_in_model), `speed` one process's
+    training FLOP/s on a model (with trainer.max_time; None without a time budget). The speed of
+    the shape chosen is measured again once and the choice made again: small shapes use the
+    cores less well than the stand-in."""
+    t = cfg.trainer
+    if t.max_time is None:
+        return choose(cfg, base, Budget(corpus_bytes, None, None, t.max_steps, world_size))
+    if speed is None:
+        raise ValueError("a time budget needs the measured speed")
+    probe = base.replace(vocab_size=vocab_for(corpus_bytes, base)) if "tokenizer.vocab_size" in auto_keys(cfg) else base
+    measured: dict[TransformerConfig, float] = {}
+    for _ in range(2):
+        if probe not in measured:
+            measured[probe] = speed(probe) * world_size
+        budget = Budget(corpus_bytes, t.max_time, measured[probe], t.max_steps, world_size)
+        resolved = choose(cfg, base, budget)
+        probe = resolved.model.replace(dropout=0.0)
+    return dataclasses.replace(resolved, flops_per_second=budget.flops_per_second)
+
+
+def choose(cfg: Any, base: TransformerConfig, budget: Budget) -> Resolved:
     """The `auto` keys of `cfg` given the model the recipe describes otherwise (`base`: any shape
     and vocabulary where those are auto) and the budget."""
     keys = auto_keys(cfg)
@@ -276,19 +281,3 @@ def resolve(cfg: Any, base: TransformerConfig, budget: Budget) -> Resolved:
     if "data.batch_size" in keys:
         values["data.batch_size"] = batch_for(tokens, block, budget.world_size)
     return Resolved(values=values, model=model, tokens=tokens, passes=passes)
-
-
-def apply(cfg: Any, values: dict[str, Any]) -> Any:
-    """`cfg` with `values` (Resolved.values) in place of `auto` (model.size back to null, its shape set)."""
-    model_section = dataclasses.replace(cfg.model)
-    tokenizer, data = cfg.tokenizer, cfg.data
-    for key, value in values.items():
-        if key == "model.size":
-            model_section = dataclasses.replace(model_section, size=None, **value)
-        elif key == "model.dropout":
-            model_section = dataclasses.replace(model_section, dropout=value)
-        elif key == "tokenizer.vocab_size":
-            tokenizer = dataclasses.replace(tokenizer, vocab_size=value)
-        elif key == "data.batch_size":
-            data = dataclasses.replace(data, batch_size=value)
-    return dataclasses.replace(cfg, model=model_section, tokenizer=tokenizer, data=data)

@@ -10,7 +10,8 @@ objective's needs from the registry and writes every field back into the `model`
 the section alone determines the model and config.yaml records it whole. A fine-tuning recipe's
 model section stays a set of overrides on finetune.from's config (`model_overrides`). A recipe
 with `auto` values (recipe/auto_rules.py) is checked here on a stand-in model and completed when the
-run starts (training.auto_resolve.resolve_auto).
+run starts (run/resolve.py), as is trainer.precision where the recipe leaves it null (the
+objective's default depends on the machine, which this layer does not ask about).
 
 Every command reads recipes here: pretrain, finetune, prepare and info alike. Nothing here
 imports torch or Lightning.
@@ -31,13 +32,11 @@ from omegaconf import errors as oc_errors
 
 from lit_transformer.errors import DataError, RecipeError, closest, first_line
 from lit_transformer.model.config import ConfigError
-from lit_transformer.recipe import auto_rules as auto
-from lit_transformer.recipe import registry
-from lit_transformer.recipe import tasks as mixture
+from lit_transformer.recipe import auto_rules, registry, tasks
 from lit_transformer.recipe.catalog import resolve_recipe
 from lit_transformer.recipe.entries import build_entry, list_entries, literal_of
 from lit_transformer.recipe.eval_schema import EvalConfig, eval_entries
-from lit_transformer.recipe.model_section import build_model_config, check_fits, complete_model
+from lit_transformer.recipe.model_section import check_fits, complete_model, stand_in_model
 from lit_transformer.recipe.schema import (
     ALIASES,
     FinetuneConfig,
@@ -99,67 +98,21 @@ def load_recipe(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -
     except (DataError, ConfigError, RecipeError) as error:  # the sections' own __post_init__ checks
         raise RecipeError(f"{path}: {first_line(error)}") from None
     try:
-        spec = registry.spec(cfg.objective.name)
+        registry.spec(cfg.objective.name)  # an unknown objective, named with the file
     except RecipeError as error:
         raise RecipeError(f"{path}: {error}") from None
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / path.stem)
-    for token in mixture.mode_tokens(cfg):  # the tokenizer gets the mixture's mode tokens as special tokens
+    for token in tasks.mode_tokens(cfg):  # the tokenizer gets the mixture's mode tokens as special tokens
         if token not in cfg.tokenizer.extra_special_tokens:
             cfg.tokenizer.extra_special_tokens.append(token)
-    if cfg.trainer.precision is None:
-        cfg.trainer.precision = default_precision(spec.precision, cfg.trainer.accelerator)  # type: ignore[assignment]
-    auto.check(cfg, str(path))
+    auto_rules.check(cfg, str(path))
     if cfg.finetune.from_ is not None:
         return cfg
-    if auto.auto_keys(cfg):  # resolved when the run starts (training.auto_resolve): checked now on a stand-in
-        check_fits(cfg, build_model_config(auto.stand_in(cfg), str(path)), str(path))
+    if auto_rules.auto_keys(cfg):  # resolved when the run starts (run/resolve.py): checked now on a stand-in
+        check_fits(cfg, stand_in_model(cfg, str(path)), str(path))
         return cfg
     return complete_model(cfg, str(path))
-
-
-def default_precision(objective_default: str, accelerator: str) -> str:
-    """trainer.precision when a recipe leaves it null: the objective's default (registry.py),
-    except that a bf16 default becomes 32-true on a CPU-only run whose CPU has no bf16 matrix
-    instructions (AMX, AVX512-BF16). There bf16 is emulated, and a step runs many times slower
-    than in float32 (docs/defaults.md, "float32 on CPUs without bf16 matrix instructions")."""
-    if not objective_default.startswith("bf16") or accelerator in ("gpu", "cuda", "mps"):
-        return objective_default
-    if accelerator == "auto" and _has_nvidia_gpu():
-        return objective_default
-    return objective_default if cpu_has_bf16_matmul() else "32-true"
-
-
-# oneDNN's instruction sets without bf16 dot products: ONEDNN_MAX_CPU_ISA set to one of these
-# keeps oneDNN off AVX512-BF16 and AMX even where the CPU has them (oneDNN's "CPU Dispatcher
-# Control" documentation), so bf16 matrix products are emulated
-_ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether the CPU has bf16 matrix instructions (AMX, AVX512-BF16) that oneDNN may use;
-    elsewhere bf16 is emulated (several times slower than float32)."""
-    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_ISAS_WITHOUT_BF16:
-        return False
-    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
-
-
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _has_nvidia_gpu() -> bool:
-    """Whether the NVIDIA driver lists a GPU (without importing torch, which this module avoids)."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return gpus.is_dir() and any(gpus.iterdir())
 
 
 # ----------------------------------------------------------------------------- reading

@@ -3,8 +3,8 @@ tokenizer's vocabulary -> TransformerConfig (`build_model_config`), written back
 model section (`complete_model`), and checked against the objective and the data (`check_fits`).
 
 load_recipe completes the model of a from-scratch recipe without `auto` values; a recipe with
-them is completed when the run starts (commands/run_config.py, after training/auto_resolve.py);
-a fine-tuning recipe's model comes with its source's weights and is checked then.
+them is completed when the run starts (run/resolve.py, through training/auto_resolve.py); a
+fine-tuning recipe's model comes with its source's weights and is checked then.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lit_transformer.data.data_config import BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES, check_store_dir
+from lit_transformer.data.data_config import AUTO, BLOCK_WARMUP_OBJECTIVES, LM_OBJECTIVES, check_store_dir
 from lit_transformer.errors import DataError, RecipeError
 from lit_transformer.model.config import ConfigError, TransformerConfig, preset
-from lit_transformer.recipe import auto_rules as auto
-from lit_transformer.recipe import registry
-from lit_transformer.recipe import tasks as mixture
+from lit_transformer.recipe import auto_rules, registry, tasks
 from lit_transformer.recipe.schema import ModelSection, RunConfig
 
 
@@ -35,9 +33,29 @@ def build_model_config(cfg: RunConfig, source: str = "recipe") -> TransformerCon
     values = model_overrides(cfg)
     if "vocab_size" not in values:
         values["vocab_size"] = tokenizer_vocab_size(cfg, source)
+    return _model_from(cfg.model.preset, values, source)
+
+
+def stand_in_model(cfg: RunConfig, source: str = "recipe") -> TransformerConfig:
+    """The model of a recipe with `auto` values, valid values standing in for them
+    (auto_rules.STAND_IN, the shape SHAPES[3]): the recipe's checks run on it at load, and the
+    rules size from it (every value they choose replaces a stand-in)."""
+    values = {k: v for k, v in model_overrides(cfg).items() if v != AUTO}
+    if cfg.model.size == AUTO:
+        d_model, n_layers, n_heads = auto_rules.SHAPES[3]
+        values.update(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_ff=4 * d_model)
+    if cfg.model.dropout == AUTO:
+        values["dropout"] = auto_rules.STAND_IN["dropout"]
+    if "vocab_size" not in values:
+        auto_vocab = cfg.tokenizer.vocab_size == AUTO
+        values["vocab_size"] = auto_rules.STAND_IN["vocab_size"] if auto_vocab else tokenizer_vocab_size(cfg, source)
+    return _model_from(cfg.model.preset, values, source)
+
+
+def _model_from(preset_name: str | None, values: dict[str, Any], source: str) -> TransformerConfig:
     try:
-        if cfg.model.preset is not None:
-            return preset(cfg.model.preset, **values)
+        if preset_name is not None:
+            return preset(preset_name, **values)
         missing = [
             f.name
             for f in dataclasses.fields(TransformerConfig)
@@ -77,10 +95,9 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
     """The TransformerConfig a loaded from-scratch recipe describes (its model section is complete)."""
     if cfg.finetune.from_ is not None:
         raise RecipeError("a fine-tuning recipe's model comes from finetune.from: load it with loading.load_backbone")
-    if auto.auto_keys(cfg):
+    if auto_rules.auto_keys(cfg):
         raise RecipeError(
-            f"{', '.join(auto.auto_keys(cfg))} = auto: resolved when the run starts "
-            "(training.auto_resolve.resolve_auto)"
+            f"{', '.join(auto_rules.auto_keys(cfg))} = auto: resolved when the run starts (run/resolve.py)"
         )
     return TransformerConfig(**model_overrides(cfg))
 
@@ -88,7 +105,7 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
 def longest_input(cfg: RunConfig) -> tuple[str, int]:
     """(key, value) of the longest sequence the objective (or any task of a mixture) feeds the model."""
     if cfg.tasks:
-        return mixture.longest_task_input(cfg)
+        return tasks.longest_task_input(cfg)
     keys = registry.spec(cfg.objective.name).length_keys
     return max(((f"data.{k}", getattr(cfg.data, k)) for k in keys), key=lambda item: item[1])
 
@@ -101,7 +118,7 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
     Called once a run's model config is known (at load, or after loading finetune.from)."""
     spec = registry.spec(cfg.objective.name)
     if cfg.tasks:
-        mixture.check_mixture(cfg, model.arch, source)
+        tasks.check_mixture(cfg, model.arch, source)
     elif model.arch not in spec.archs:
         raise RecipeError(
             f"{source}: objective.name={spec.name} needs model.arch in {list(spec.archs)}, got {model.arch!r}"

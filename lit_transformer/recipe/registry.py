@@ -48,7 +48,7 @@ class ObjectiveSpec:
 SPECS: dict[str, ObjectiveSpec] = {
     spec.name: spec
     for spec in (
-        # bf16 autocast (recipe.load.default_precision keeps float32 on CPUs that would emulate it):
+        # bf16 autocast (run/resolve.py default_precision keeps float32 on CPUs that would emulate it):
         # the same loss per step as float32 at a higher tokens/s (docs/defaults.md, "Default
         # precision")
         ObjectiveSpec("mlm", ("encoder",), "mlm", ("block_size",), prompt=None, lm_head=True, precision="bf16-mixed"),

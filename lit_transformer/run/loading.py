@@ -1,6 +1,6 @@
-"""Model sources and the final model: resolving what a RUN_OR_CKPT argument or finetune.from
-names, loading the objective, language model, backbone or head it holds, and saving a
-finished run's model.
+"""Model sources: resolving what a RUN_OR_CKPT argument or finetune.from names, and loading the
+objective, language model, backbone or head it holds (a finished run's model is saved by
+training/finish.py).
 
 Which objective a source holds is read, never guessed: a checkpoint records it under
 training.checkpoints.OBJECTIVE_KEY, a final model in config.json's "objective". Only a directory that
@@ -21,7 +21,7 @@ import torch
 from lit_transformer import objectives
 from lit_transformer.errors import RunError
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.model.interop.directories import InteropError, load_pretrained, read_safetensors, save_pretrained
+from lit_transformer.model.interop.directories import InteropError, load_pretrained, read_safetensors
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import load_recipe
@@ -32,14 +32,12 @@ from lit_transformer.training.checkpoints import (
     is_sharded_checkpoint,
     read_checkpoint,
 )
-from lit_transformer.training.distributed import full_state_dict, is_sharded
 from lit_transformer.training.rundir import (
     CHECKPOINT_DIR,
     CLASSIFIER_JSON,
     CLASSIFIER_WEIGHTS,
     CONFIG_YAML,
     LABELS_JSON,
-    METRICS_JSON,
     TOKENIZER_JSON,
     latest_checkpoint,
 )
@@ -216,40 +214,3 @@ def with_overrides(lm: LanguageModel, changes: dict[str, Any]) -> LanguageModel:
             f"{str(error).splitlines()[1] if len(str(error).splitlines()) > 1 else error}"
         ) from None
     return new
-
-
-# ----------------------------------------------------------------------------- saving
-
-
-def consolidated(module: objectives.ObjectiveBase, rank: int) -> objectives.ObjectiveBase | None:
-    """The objective with whole (unsharded) CPU weights, for saving the final model. Without
-    FSDP this is the module itself. Under FSDP2 every rank must call it (the shards are
-    all-gathered); rank 0 gets a fresh copy rebuilt from the module's hyperparameters and
-    loaded with the gathered weights, the other ranks None."""
-    if not is_sharded(module):
-        return module
-    state = full_state_dict(module)
-    if rank != 0:
-        return None
-    with torch.device("cpu"):
-        copy = type(module).from_hparams(dict(module.hparams))
-    copy.load_state_dict(state)
-    return copy
-
-
-def save_final(module: objectives.ObjectiveBase, run_dir: Path, metrics: dict[str, float] | None = None) -> None:
-    """The final model in lit-transformer's format (config.json records the objective), the
-    task head beside it when the objective has one, and the final validation metrics."""
-    from safetensors.torch import save_file
-
-    save_pretrained(module.final_model(), run_dir, objective=module.objective_name)
-    head = module.final_head()
-    if head is not None:
-        spec, weights = head
-        labels = json.loads((run_dir / LABELS_JSON).read_text()) if (run_dir / LABELS_JSON).is_file() else {}
-        save_file(weights, str(run_dir / CLASSIFIER_WEIGHTS))
-        (run_dir / CLASSIFIER_JSON).write_text(
-            json.dumps({**spec, "label_names": labels.get("labels")}, indent=1) + "\n"
-        )
-    if metrics is not None:
-        (run_dir / METRICS_JSON).write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")

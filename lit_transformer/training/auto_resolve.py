@@ -1,10 +1,10 @@
-"""Resolving a recipe's `auto` values when the run starts (the rules: recipe/auto_rules.py).
+"""The values of a recipe's `auto` keys when the run starts (the rules: recipe/auto_rules.py;
+the resolver, run/resolve.py, puts them in the run config).
 
-`resolve_auto` reads the training corpus's size, measures the training step speed on this
-machine for a couple of seconds where the budget is `trainer.max_time`, applies the rules, prints
-one line saying what it chose and why, and returns a config with plain values (which config.yaml
-then records). A resumed run takes the values its config.yaml recorded instead: a new
-measurement could size another model than the checkpoint's.
+`auto_values` reads the training corpus's size, measures the training step speed on this
+machine for a couple of seconds where the budget is `trainer.max_time`, applies the rules and
+prints one line saying what it chose and why. A resumed run takes the values its config.yaml
+recorded instead: a new measurement could size another model than the checkpoint's.
 
 Processes of one run must agree: the process that starts the others (Lightning's launcher)
 passes its values on in an environment variable; processes started all at once (torchrun,
@@ -13,7 +13,6 @@ srun) with a time budget to measure are refused, with the command that resolves 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -21,12 +20,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lit_transformer.data.data_config import AUTO, DataConfig
 from lit_transformer.errors import RecipeError
+from lit_transformer.machine import cpu_threads
 from lit_transformer.model.config import TransformerConfig
-from lit_transformer.recipe import auto_rules as auto
+from lit_transformer.recipe import auto_rules
 from lit_transformer.recipe.load import load_recipe
-from lit_transformer.recipe.model_section import build_model_config, complete_model
-from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.model_section import stand_in_model
+from lit_transformer.recipe.schema import RunConfig, TrainerConfig
 from lit_transformer.training import preflight
 from lit_transformer.training.distributed import is_main_process
 
@@ -35,12 +36,11 @@ PROBE_SECONDS = 1.5  # timed steps of the speed probe (after one untimed step)
 PROBE_MIN_STEPS = 3
 
 
-def corpus_bytes(cfg: RunConfig) -> int:
+def corpus_bytes(data: DataConfig) -> int:
     """Bytes of training text: the training files (or the embedded corpus's training split),
     at most data.max_train_bytes."""
     from lit_transformer.data.sources.files import resolve_files
 
-    data = cfg.data
     if data.train_files:
         total = sum(p.stat().st_size for p in resolve_files(data.train_files, "data.train_files", data.format))
     else:
@@ -50,7 +50,7 @@ def corpus_bytes(cfg: RunConfig) -> int:
     return min(total, data.max_train_bytes) if data.max_train_bytes is not None else total
 
 
-def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
+def measure_flops_per_second(model: TransformerConfig, trainer: TrainerConfig, data: DataConfig) -> float:
     """Training FLOP/s of one process on `model` at the recipe's batch, block, precision and
     threads: forward, cross-entropy, backward and an AdamW step on random tokens."""
     import torch
@@ -58,13 +58,13 @@ def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
 
     from lit_transformer.model.language_model import LanguageModel
 
-    batch = cfg.data.batch_size if cfg.data.batch_size != auto.AUTO else auto.STAND_IN["batch_size"]
-    block = cfg.data.block_size
-    device = "cuda" if preflight.on_gpu(cfg.trainer) and torch.cuda.is_available() else "cpu"
-    precision = cfg.trainer.precision or "32-true"
+    batch = data.batch_size if data.batch_size != AUTO else auto_rules.STAND_IN["batch_size"]
+    block = data.block_size
+    device = "cuda" if preflight.on_gpu(trainer) and torch.cuda.is_available() else "cpu"
+    precision = trainer.precision or "32-true"
     dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16 if precision.startswith("16") else None
     generator = torch.Generator().manual_seed(0)
-    with cpu_threads(cfg.trainer.num_threads if device == "cpu" else None):
+    with cpu_threads(trainer.num_threads if device == "cpu" else None):
         lm = LanguageModel(model.replace(dropout=0.0)).to(device)
         if precision == "bf16-true":
             lm = lm.to(torch.bfloat16)
@@ -88,34 +88,16 @@ def measure_flops_per_second(model: TransformerConfig, cfg: RunConfig) -> float:
             step()
             steps += 1
         seconds = time.perf_counter() - start
-    return steps * batch * block * auto.flops_per_token(model, block) / seconds
+    return steps * batch * block * auto_rules.flops_per_token(model, block) / seconds
 
 
-@contextlib.contextmanager
-def cpu_threads(n: int | None):
-    """torch.set_num_threads(n) for the duration (it is process-wide)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+Measure = Callable[[TransformerConfig, TrainerConfig, DataConfig], float]
 
 
-def resolve_auto(
-    cfg: RunConfig,
-    *,
-    measure: Callable[[TransformerConfig, RunConfig], float] | None = None,
-    quiet: bool = False,
-) -> RunConfig:
-    """`cfg` with every `auto` value resolved (unchanged without any); `measure` gives one process's
-    training FLOP/s for a model (default measure_flops_per_second; tests pass a fixed speed)."""
-    keys = auto.auto_keys(cfg)
-    if not keys:
-        return cfg
+def auto_values(cfg: RunConfig, keys: list[str], *, measure: Measure | None = None, quiet: bool = False) -> dict:
+    """The plain value of each `auto` key of `cfg` (auto_rules.auto_keys): model.size as the shape's
+    fields. `measure` gives one process's training FLOP/s for a model (default
+    measure_flops_per_second; tests pass a fixed speed)."""
     measure = measure or measure_flops_per_second
     saved = _saved_values(cfg, keys)
     inherited = json.loads(os.environ.get(ENV, "{}"))
@@ -135,12 +117,10 @@ def resolve_auto(
         values = _resolve_values(cfg, keys, measure, quiet)
         # the processes Lightning starts for this run (they are not the main process) take these
         os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
-    return complete_model(auto.apply(cfg, values), "recipe")
+    return values
 
 
-def _resolved_on_rank_zero(
-    cfg: RunConfig, keys: list[str], measure: Callable[[TransformerConfig, RunConfig], float], quiet: bool
-) -> dict:
+def _resolved_on_rank_zero(cfg: RunConfig, keys: list[str], measure: Measure, quiet: bool) -> dict:
     """A later run of a job whose ranks are already started (a script or sweep that trains
     again): the launcher passed no values for it, so rank 0 resolves and the others take its
     values (or its error), where each measuring its own speed could size another model."""
@@ -158,35 +138,20 @@ def _resolved_on_rank_zero(
     return outcome[0]
 
 
-def _resolve_values(
-    cfg: RunConfig, keys: list[str], measure: Callable[[TransformerConfig, RunConfig], float], quiet: bool
-) -> dict:
+def _resolve_values(cfg: RunConfig, keys: list[str], measure: Measure, quiet: bool) -> dict:
     """The plain value of each `auto` key: measured and chosen on this process."""
     world = preflight.processes_per_node(cfg.trainer) * cfg.trainer.num_nodes
-    base = build_model_config(auto.stand_in(cfg), "recipe")
-    corpus = corpus_bytes(cfg)
-    flops = None
-    resolved = None
-    if cfg.trainer.max_time is not None:
-        probe = base
-        if "tokenizer.vocab_size" in keys:
-            probe = probe.replace(vocab_size=auto.vocab_for(corpus, probe))
-        measured: dict[TransformerConfig, float] = {}
-        # the speed of the shape chosen, measured again once: small shapes use the cores less well
-        for _ in range(2):
-            if probe not in measured:
-                measured[probe] = measure(probe, cfg) * world
-            flops = measured[probe]
-            budget = auto.Budget(corpus, cfg.trainer.max_time, flops, cfg.trainer.max_steps, world)
-            resolved = auto.resolve(cfg, base, budget)
-            probe = resolved.model.replace(dropout=0.0)
-    else:
-        budget = auto.Budget(corpus, None, None, cfg.trainer.max_steps, world)
-        resolved = auto.resolve(cfg, base, budget)
-    assert resolved is not None
+    corpus = corpus_bytes(cfg.data)
+    trainer, data = cfg.trainer, cfg.data
+
+    def speed(model: TransformerConfig) -> float:
+        return measure(model, trainer, data)
+
+    resolved = auto_rules.resolve(
+        cfg, stand_in_model(cfg), corpus, world, speed if cfg.trainer.max_time is not None else None
+    )
     if not quiet and is_main_process():
-        speed = f" at {flops / 1e9:.2f} GFLOP/s measured" if flops is not None else ""
-        print(f"{resolved.summary()}{speed}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
+        print(f"{resolved.summary()}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
     return resolved.values
 
 

@@ -5,23 +5,18 @@ weights' moving average.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import WandbLogger
 
 from lit_transformer.data.batches.collate import batch_generator
 from lit_transformer.errors import RunError
 from lit_transformer.training.checkpoints import newest_complete
-from lit_transformer.training.distributed import eager_outside_the_step, gathered_parameters, is_sharded
-from lit_transformer.training.rundir import SAMPLES_FILE
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -53,9 +48,10 @@ class StepSeed(Callback):
 
 class NonFiniteGuard(Callback):
     """Stops training when `patience` optimizer steps in a row were skipped for a non-finite
-    loss or gradient (the objective's `skipped_steps` counter; skipped steps leave the weights
-    alone). Raises a RunError before the step's checkpoint is written (Lightning runs
-    checkpoint callbacks last), so the newest checkpoint holds the last good weights."""
+    loss or gradient (the count the objective declares and keeps, ObjectiveBase.skipped_steps;
+    skipped steps leave the weights alone). Raises a RunError before the step's checkpoint is
+    written (Lightning runs checkpoint callbacks last), so the newest checkpoint holds the last
+    good weights."""
 
     def __init__(self, patience: int, checkpoint_dir: Path):
         self.patience, self.checkpoint_dir = patience, checkpoint_dir
@@ -63,10 +59,10 @@ class NonFiniteGuard(Callback):
         self._run = 0  # consecutive skipped steps so far
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self._seen, self._run = int(getattr(pl_module, "skipped_steps", 0)), 0  # restored by a resume
+        self._seen, self._run = pl_module.skipped_steps, 0  # restored by a resume
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        skipped = int(getattr(pl_module, "skipped_steps", 0))
+        skipped = pl_module.skipped_steps
         self._run = self._run + (skipped - self._seen) if skipped > self._seen else 0
         self._seen = skipped
         if self._run >= self.patience:
@@ -170,41 +166,6 @@ class ProgressBar(RichProgressBar):
         if self.max_time is not None and clock is not None:
             items["budget"] = f"{clock.read():,.0f}/{self.max_time:,.0f} s"
         return items
-
-
-class SampleGenerations(Callback):
-    """After every validation of a generative objective (clm, span, seq2seq), generate from a few
-    fixed prompts and log them as a W&B table `samples` (and a JSON line in samples.jsonl).
-
-    `sample` returns (prompt, completion) pairs; commands/train.py builds it from the objective's model,
-    tokenizer and validation data, so this file knows nothing about either. It must not draw
-    from the global random generator (use greedy decoding or its own torch.Generator)."""
-
-    def __init__(self, sample: Callable[[L.LightningModule], list[tuple[str, str]]], run_dir: Path):
-        self.sample = sample
-        self.run_dir = run_dir
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        if not trainer.is_global_zero and not is_sharded(pl_module):
-            return
-        # FSDP2: every rank gathers, rank 0 generates; eagerly: each decoding step has another key length
-        with gathered_parameters(pl_module), eager_outside_the_step(pl_module):
-            pairs = self.sample(pl_module) if trainer.is_global_zero else []
-        if not trainer.is_global_zero:
-            return
-        step = trainer.global_step
-        with (self.run_dir / SAMPLES_FILE).open("a") as file:
-            file.write(json.dumps({"step": step, "samples": [{"prompt": p, "completion": c} for p, c in pairs]}) + "\n")
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_table(
-                    key="samples",
-                    columns=["step", "prompt", "completion"],
-                    data=[[step, p, c] for p, c in pairs],
-                    step=step,
-                )
 
 
 class KeepFreedMemory(Callback):

@@ -9,11 +9,13 @@ out-of-memory killer minutes later, without a message.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from lit_transformer.constants import LOSS_CHUNK_ROWS, LOSS_GPU_PIECE_BYTES
 from lit_transformer.data.data_config import DataConfig
 from lit_transformer.errors import RecipeError
 from lit_transformer.model.config import TransformerConfig
@@ -27,9 +29,6 @@ PROCESS_BYTES = int(0.6 * GB)
 # A data-loader worker is a fork of its rank; copy-on-write keeps most pages shared, but the
 # interpreter's reference counts touch some (an estimate, not a measurement of every corpus).
 WORKER_BYTES = int(0.25 * GB)
-# objectives/fused_loss.py's CHUNK_ROWS and ACCELERATOR_PIECE_BYTES (objectives is a layer above: not imported)
-LOSS_CHUNK_ROWS = 2048
-LOSS_GPU_PIECE_BYTES = 128 << 20
 
 
 def cpu_cores() -> int:
@@ -199,14 +198,47 @@ def check_memory(trainer: TrainerConfig, data: DataConfig, model: TransformerCon
         )
 
 
+def check_precision(t: TrainerConfig) -> None:
+    """16-mixed needs a GPU: on CPU Lightning would autocast to float16, which the CPU kernels
+    run slowly and without the loss scaling that keeps fp16 gradients finite. float8 needs a
+    GPU with float8 matrix units (training/float8.py)."""
+    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
+    if t.precision == "16-mixed" and on_cpu:
+        raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
+    if t.float8:
+        from lit_transformer.training.float8 import check_float8
+
+        check_float8(t.accelerator)
+
+
+CXX_COMPILERS = ("g++", "c++", "clang++")  # what inductor's C++ backend looks for besides $CXX
+
+
+def check_compile_toolchain(t: TrainerConfig) -> None:
+    """trainer.compile on a CPU: inductor writes C++ and builds it with the machine's compiler;
+    without one, the first step would fail deep inside torch.compile."""
+    if not t.compile or on_gpu(t):
+        return
+    wanted = [os.environ["CXX"]] if os.environ.get("CXX") else list(CXX_COMPILERS)
+    if not any(shutil.which(c) for c in wanted):
+        raise RecipeError(
+            f"trainer.compile=true on a CPU needs a C++ compiler (inductor builds its kernels), and this machine "
+            f"has none of {', '.join(wanted)}: install one (Debian: apt install g++) or set trainer.compile=false"
+        )
+
+
 def check(trainer: TrainerConfig, data: DataConfig, model: TransformerConfig, tokens: int) -> None:
-    """Every start-up check, in local rank 0 of each node only: the node's other ranks (started by
-    Lightning, torchrun or srun) find the machine already loaded by their siblings, and their
-    memory counted by rank 0. The command resolves what the checks need from the recipe: its
-    trainer and data sections, the model config and the longest sequence a batch holds."""
+    """Every start-up check that needs only the recipe and the machine, before anything is
+    trained or written: devices, precision, float8, the compile toolchain, memory. Devices and
+    memory in local rank 0 of each node only: the node's other ranks (started by Lightning,
+    torchrun or srun) find the machine already loaded by their siblings, and their memory counted
+    by rank 0. The resolved run gives what the checks need: its trainer and data sections, the
+    model config and the longest sequence a batch holds."""
     # here, not at the top: estimate() serves `info --plan`, which must not import Lightning
     from lit_transformer.training.distributed import local_rank
 
+    check_precision(trainer)
+    check_compile_toolchain(trainer)
     if local_rank() > 0:
         return
     check_devices(trainer)

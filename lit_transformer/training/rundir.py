@@ -78,11 +78,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return ckpt
 
 
-def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
-    """(run directory, checkpoint to resume from or None). Refuses a directory that holds a
-    different run, or the same run's checkpoints, unless run.overwrite=true or resuming."""
+def resume_checkpoint(cfg: RunConfig) -> Path | None:
+    """The checkpoint `cfg.resume` names (auto: the run directory's newest), read enough to
+    refuse a truncated or unsafe file in one line; None to start from step 0. Writes nothing."""
     run_dir = Path(cfg.run.dir)
-    ckpt: Path | None = None
     if cfg.resume == "auto":
         ckpt = latest_checkpoint(run_dir)
         unreadable = [p for p in sorted((run_dir / CHECKPOINT_DIR).glob("*.ckpt")) if not p.name.startswith(".")]
@@ -92,12 +91,21 @@ def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
             print(f"resume=auto: no checkpoint in {run_dir / CHECKPOINT_DIR}; starting from step 0", file=sys.stderr)
         else:
             print(f"resume=auto: continuing from {ckpt} (step {checkpoint_step(ckpt)})", file=sys.stderr)
-    elif cfg.resume is not None:
-        ckpt = Path(cfg.resume)
-        if not ckpt.exists():
-            raise RunError(f"resume={cfg.resume}: no such checkpoint file")
-        if ckpt.is_file():
-            read_checkpoint(ckpt, mmap=True)  # a one-line error for a truncated or unsafe file, before any work
+        return ckpt
+    if cfg.resume is None:
+        return None
+    ckpt = Path(cfg.resume)
+    if not ckpt.exists():
+        raise RunError(f"resume={cfg.resume}: no such checkpoint file")
+    if ckpt.is_file():
+        read_checkpoint(ckpt, mmap=True)  # a one-line error for a truncated or unsafe file, before any work
+    return ckpt
+
+
+def open_run_dir(cfg: RunConfig, ckpt: Path | None) -> Path:
+    """The run directory, created; refuses one that holds a different run, or the same run's
+    checkpoints, unless run.overwrite=true or resuming from `ckpt` (resume_checkpoint's)."""
+    run_dir = Path(cfg.run.dir)
     if ckpt is not None and is_main_process():
         remove_temp_files(ckpt.parent)  # what writes killed mid-way left behind
     if ckpt is None and run_dir.is_dir() and any(run_dir.iterdir()) and is_main_process():
@@ -106,7 +114,7 @@ def open_run_dir(cfg: RunConfig) -> tuple[Path, Path | None]:
         else:
             _refuse_other_run(run_dir, cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, ckpt
+    return run_dir
 
 
 def _refuse_other_run(run_dir: Path, cfg: RunConfig) -> None:

@@ -14,11 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 
-from lit_transformer.errors import RecipeError
 from lit_transformer.recipe.load import to_dict
 from lit_transformer.recipe.schema import RunConfig, TrainerConfig
 from lit_transformer.training.callbacks import (
@@ -32,7 +30,7 @@ from lit_transformer.training.callbacks import (
 )
 from lit_transformer.training.checkpoints import AtomicCheckpointIO
 from lit_transformer.training.distributed import FSDP2Strategy, is_main_process
-from lit_transformer.training.float8 import Float8Training, check_float8
+from lit_transformer.training.float8 import Float8Training
 from lit_transformer.training.rundir import CHECKPOINT_DIR, CSV_DIR, WANDB_DIR, WANDB_ID_FILE
 
 # ----------------------------------------------------------------------------- strategy
@@ -45,7 +43,6 @@ def build_strategy(t: TrainerConfig) -> Any:
     Lightning's ModelParallelStrategy, with every process in one data-parallel mesh dimension
     (`FSDP2Strategy`); the objective's `configure_model` applies `fully_shard` per Block and
     per top-level module. Both run on CPU (gloo) as well as on GPUs."""
-    check_precision(t)
     name = t.strategy
     if name == "auto":
         return "auto"
@@ -54,17 +51,6 @@ def build_strategy(t: TrainerConfig) -> Any:
 
         return DDPStrategy()
     return FSDP2Strategy()
-
-
-def check_precision(t: TrainerConfig) -> None:
-    """16-mixed needs a GPU: on CPU Lightning would autocast to float16, which the CPU kernels
-    run slowly and without the loss scaling that keeps fp16 gradients finite. float8 needs a
-    GPU with float8 matrix units (training/float8.py)."""
-    on_cpu = t.accelerator == "cpu" or (t.accelerator == "auto" and not torch.cuda.is_available())
-    if t.precision == "16-mixed" and on_cpu:
-        raise RecipeError("trainer.precision=16-mixed needs CUDA GPUs; on CPU use bf16-mixed, bf16-true or 32-true")
-    if t.float8:
-        check_float8(t.accelerator)
 
 
 # ----------------------------------------------------------------------------- loggers

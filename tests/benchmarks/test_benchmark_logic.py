@@ -72,9 +72,9 @@ def test_a_failed_comparison_exits_non_zero_naming_the_family(monkeypatch, capsy
     ],
 )
 def test_the_precision_follows_the_machine(monkeypatch, flags, device, precision, why):
-    import lit_transformer.recipe.load as load
+    from lit_transformer import machine
 
-    monkeypatch.setattr(load, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
     chosen, reason = common.choose_precision(device, None)
     assert chosen == precision and reason.startswith(why)
     assert common.choose_precision(device, "bf16-true") == ("bf16-true", "bf16-true: given by --precision")
@@ -83,21 +83,21 @@ def test_the_precision_follows_the_machine(monkeypatch, flags, device, precision
 def test_onednn_capped_below_bf16_counts_as_no_bf16(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN off AVX512-BF16: bf16 is then emulated, whatever the
     CPU's flags say (how an AVX2-only machine is simulated on a newer one)."""
-    import lit_transformer.recipe.load as load
+    from lit_transformer import machine
 
-    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx512_bf16", "avx2"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx512_bf16", "avx2"})
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert not load.cpu_has_bf16_matmul() and common.choose_precision("cpu", None)[0] == "32-true"
+    assert not machine.cpu_has_bf16_matmul() and common.choose_precision("cpu", None)[0] == "32-true"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert load.cpu_has_bf16_matmul()
+    assert machine.cpu_has_bf16_matmul()
 
 
 def test_quick_on_a_cpu_without_bf16_probes_a_small_float32_product(monkeypatch):
     """The matmul peak is measured in the dtype the steps' products run in, at a size that
     takes seconds in --quick (the AVX2-only CPU spent minutes on an emulated 4096^3 bf16 product)."""
-    import lit_transformer.recipe.load as load
+    from lit_transformer import machine
 
-    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "fma"})
     built = {}
     monkeypatch.setattr(
         common,
@@ -110,7 +110,7 @@ def test_quick_on_a_cpu_without_bf16_probes_a_small_float32_product(monkeypatch)
     assert args.no_memory and not run.parse_args(["--quick", "--memory"]).no_memory and not run.parse_args([]).no_memory
     run.make_peak(args)
     assert built == {"device": "cpu", "size": 2048, "inner": 2, "dtype": torch.float32}
-    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx512_bf16"})
     run.make_peak(run.parse_args([]))
     assert (built["size"], built["dtype"]) == (4096, torch.bfloat16)
     run.make_peak(run.parse_args(["--quick", "--precision", "32-true"]))

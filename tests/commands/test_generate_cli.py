@@ -99,13 +99,13 @@ def test_prompt_and_continuation_are_decoded_together():
 
 
 def test_auto_dtype_is_bf16_only_where_it_is_fast(monkeypatch):
-    from lit_transformer.recipe import load
+    from lit_transformer import machine
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for flags, expected in (({"avx2", "amx_bf16"}, torch.bfloat16), ({"avx512_bf16"}, torch.bfloat16)):
-        monkeypatch.setattr(load, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(machine, "cpu_flags", lambda flags=flags: flags)
         assert decoding_dtype("auto", cpu) == expected
-    monkeypatch.setattr(load, "_cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(machine, "cpu_flags", lambda: {"avx2", "avx512f"})
     assert decoding_dtype("auto", cpu) == torch.float32
     assert decoding_dtype("auto", cuda) == torch.bfloat16
     assert decoding_dtype("bfloat16", cpu) == torch.bfloat16 and decoding_dtype("float32", cuda) == torch.float32

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import RECIPES, TINY_RUN, run_two_ranks
+from helpers import ONE_RANK, RECIPES, TINY_RUN, two_rank_job
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
@@ -93,12 +93,12 @@ import sys
 from lit_transformer.commands.train import train
 from lit_transformer.data.sources.stdlib import seq2seq_examples
 from lit_transformer.recipe.load import load_recipe
+from helpers import TWO_RANKS  # tests/ is on the scripts' path (helpers.run_two_ranks)
 
 root, recipe, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning sets it in the process it launches
-for strategy in ("ddp", "fsdp"):  # one launch: each process spends seconds on its imports
+for strategy, two in TWO_RANKS.items():
     out = root / strategy
-    two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
     runs = {"evaluated": (recipe, common)}
     if strategy == "ddp":  # the same training without the eval section
         runs["plain"] = (recipe, [*common, "eval=[]"])
@@ -133,30 +133,26 @@ def single(tmp_path_factory, setup) -> Path:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LIT_TRANSFORMER_CACHE", str(cache))
         record = namespace["Record"](out / "evaluated" / "record")
-        cfg = load_recipe(recipe, [*COMMON, "data.batch_size=6", f"run.dir={out / 'evaluated'}"])
+        cfg = load_recipe(recipe, [*COMMON, *ONE_RANK, f"run.dir={out / 'evaluated'}"])
         record.write(0, train(cfg, callbacks=[record], progress_bar=False))
     return out
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, single, setup) -> Path:
-    """The ddp runs and then the fsdp run, in one 2-process launch: <folder>/ddp, <folder>/fsdp."""
+def two_processes(tmp_path_factory, single, setup) -> dict[str, Path]:
+    """The ddp runs and then the fsdp run, in one 2-process launch: {strategy: its folder}."""
     recipe, cache = setup
-    out = tmp_path_factory.mktemp("two")
-    script = out / "run.py"
-    script.write_text(_SCRIPT)
-    run_two_ranks(script, [str(out), str(recipe), json.dumps(COMMON)], cache, out, timeout=500)
-    return out
+    return two_rank_job(tmp_path_factory.mktemp("two"), _SCRIPT, [str(recipe), json.dumps(COMMON)], cache, timeout=500)
 
 
 @pytest.fixture(scope="module")
 def ddp(two_processes) -> Path:
-    return two_processes / "ddp"
+    return two_processes["ddp"]
 
 
 @pytest.fixture(scope="module")
 def fsdp(two_processes) -> Path:
-    return two_processes / "fsdp"
+    return two_processes["fsdp"]
 
 
 def _records(run: Path, ranks: int) -> list[dict]:

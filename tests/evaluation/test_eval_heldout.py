@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import RECIPES, TINY_RUN, seeded_model, tiny_config
 
-from lit_transformer.commands.evaluate import ModelData, run_config
-from lit_transformer.commands.loading import load_for_evaluation, resolve_source
+from lit_transformer.commands.evaluate import ModelData
 from lit_transformer.commands.train import train
+from lit_transformer.data.data_config import CAPS, DataConfig
 from lit_transformer.data.sources.stdlib import corpus_split, seq2seq_examples
 from lit_transformer.data.tokens import prepare
 from lit_transformer.data.tokens.tokenizer import SpecialTokens, load_tokenizer
@@ -26,6 +26,8 @@ from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.evaluation.suite import due, run_suite
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.load import load_recipe
+from lit_transformer.run.loading import load_for_evaluation, resolve_source
+from lit_transformer.run.resolve import evaluation_run
 
 QUICK = [*TINY_RUN, "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=2"]
 
@@ -58,7 +60,7 @@ def runs(tmp_path_factory):
 def target_of(run: Path) -> tuple[EvalTarget, object]:
     """The run's final model as an EvalTarget, and the run's config with its tokenizer (evaluate's)."""
     source = resolve_source(str(run))
-    cfg = run_config(source, str(run))
+    cfg = evaluation_run(source, str(run))
     tokenizer = load_tokenizer(source.tokenizer)
     special = SpecialTokens.from_tokenizer(tokenizer)
     module = load_for_evaluation(source, cfg, ModelData(tokenizer, special))
@@ -94,6 +96,31 @@ def tokenised(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(prepare, "_write_split", recording)
     return written
+
+
+def test_heldout_config_replaces_every_source_key(tmp_path):
+    """A heldout file set is read whole and alone: the run's file lists, hub, caps and streaming
+    give way to the entry's files, and a mixture task keeps none of DataConfig.SOURCE_KEYS."""
+    assert set(DataConfig.SOURCE_KEYS) <= {f.name for f in dataclasses.fields(DataConfig)}
+    cfg = load_recipe(RECIPES / "tiny-unilm.yaml", [f"run.dir={tmp_path / 'run'}"])
+    own = {key: ["own.txt"] for key in DataConfig.FILE_KEYS}
+    caps = dict.fromkeys(CAPS, 5)
+    data = dataclasses.replace(cfg.data, **own, **caps, hub_name="hub", streaming=True)
+    per_task = {**own, **caps, "hub_name": "hub", "streaming": True, "num_workers": 1}
+    assert set(per_task) == set(DataConfig.SOURCE_KEYS)
+    tasks = [dataclasses.replace(t, data=dataclasses.replace(t.data, **per_task)) for t in cfg.tasks]
+    cfg = dataclasses.replace(cfg, data=data, tasks=tasks)
+    entry = EvalConfig(name="held", kind="heldout", files=["held.txt"])
+    out = heldout.heldout_config(entry, cfg).data
+    assert out.train_files == out.val_files == ["held.txt"]  # the training side is never read
+    assert all(getattr(out, key) == [] for key in DataConfig.FILE_KEYS if key not in ("train_files", "val_files"))
+    assert out.hub_name is None and not out.streaming and all(getattr(out, key) is None for key in CAPS)
+    for task in heldout.heldout_config(entry, cfg).tasks:
+        assert all(getattr(task.data, key) is None for key in DataConfig.SOURCE_KEYS), task.name
+    pairs = heldout.heldout_config(dataclasses.replace(entry, target_files=["held.tgt"]), cfg).data
+    assert (pairs.train_files, pairs.val_source_files, pairs.val_target_files) == ([], ["held.txt"], ["held.tgt"])
+    own_split = dataclasses.replace(entry, files=[], split="validation")
+    assert heldout.heldout_config(own_split, cfg) is cfg
 
 
 @pytest.mark.slow

@@ -277,8 +277,8 @@ def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
 
 @pytest.mark.slow
 def test_average_is_the_elementwise_mean_and_one_is_the_identity(tiny_runs, tmp_path, capsys):
-    from lit_transformer.commands.average import average_state_dicts, last_checkpoints
     from lit_transformer.model.interop.directories import read_safetensors
+    from lit_transformer.training.averaging import average_state_dicts, last_checkpoints
     from lit_transformer.training.checkpoints import read_checkpoint
 
     run = tiny_runs["tiny-seq2seq"]

@@ -10,6 +10,7 @@ from typing import get_args
 
 import pytest
 import torch
+from helpers import tiny_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from lit_transformer.commands.info import format_info, info, load_model_config
@@ -47,17 +48,7 @@ GRID = {
 def small_config(**fields) -> TransformerConfig:
     if fields.get("arch") != "encoder_decoder":
         fields["n_decoder_layers"] = None
-    return TransformerConfig(
-        vocab_size=99,
-        d_model=24,
-        n_heads=6,
-        n_layers=2,
-        d_ff=37,
-        max_seq_len=13,
-        relative_buckets=8,
-        relative_max_distance=20,
-        **fields,
-    )
+    return tiny_config(**{"n_heads": 6, "max_seq_len": 13, "relative_max_distance": 20, **fields})
 
 
 def grid_configs() -> list[TransformerConfig]:

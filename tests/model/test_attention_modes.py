@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import seeded_model
+from helpers import seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.generate import GenerationConfig, StepDecoder, beam_search, generate, positions_from_mask
@@ -24,19 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(arch="decoder", position="rope", **kw) -> TransformerConfig:
-    values = dict(
-        arch=arch,
-        vocab_size=V,
-        d_model=32,
-        n_heads=4,
-        n_layers=2,
-        d_ff=64,
-        max_seq_len=64,
-        position=position,
-        relative_buckets=8,
-        relative_max_distance=16,
-    )
-    return TransformerConfig(**{**values, **kw})
+    """tiny_config at width 32, 4 heads, d_ff 64 and length 64."""
+    return tiny_config(arch, **{"d_model": 32, "n_heads": 4, "d_ff": 64, "max_seq_len": 64, "position": position, **kw})
 
 
 def dependence(model: LanguageModel, ids: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:

@@ -182,7 +182,7 @@ def test_generate_and_export_read_the_mixture(unilm, tmp_path, capsys):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    from lit_transformer.commands.loading import load_language_model, resolve_source
+    from lit_transformer.run.loading import load_language_model, resolve_source
 
     ours = load_language_model(resolve_source(str(unilm))).eval()
     ids = torch.randint(5, 300, (3, 7))

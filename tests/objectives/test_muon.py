@@ -4,11 +4,9 @@ refusal of FSDP shards."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, StopAt, losses, tiny_config
+from helpers import RECIPES, TINY_DROPOUT_RUN, StopAt, losses, tiny_config, tiny_run_config
 
 from lit_transformer.commands.train import train
 from lit_transformer.model.transformer import Block
@@ -24,13 +22,6 @@ from lit_transformer.objectives.optim import (
 )
 from lit_transformer.recipe.load import RecipeError, load_recipe
 from lit_transformer.recipe.schema import OptimConfig
-
-TINY = [*TINY_RUN, "model.dropout=0.1"]  # dropout on: resuming has random draws to get right
-
-
-def clm_config(run_dir: Path, *extra: str):
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
-
 
 # ----------------------------------------------------------------------------- Muon
 
@@ -154,10 +145,10 @@ def test_muon_trains_and_resumes_exactly(tmp_path):
         "optim.lr=1e-2",
     ]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(clm_config(whole, *common), progress_bar=False)
-    train(clm_config(parts, *common), callbacks=[StopAt(4)], progress_bar=False)
+    train(tiny_run_config(whole, *common, base=TINY_DROPOUT_RUN), progress_bar=False)
+    train(tiny_run_config(parts, *common, base=TINY_DROPOUT_RUN), callbacks=[StopAt(4)], progress_bar=False)
     assert not (parts / "model.safetensors").exists()
-    train(clm_config(parts, *common, "resume=auto"), progress_bar=False)
+    train(tiny_run_config(parts, *common, "resume=auto", base=TINY_DROPOUT_RUN), progress_bar=False)
     expected, got = losses(whole), losses(parts)
     assert sorted(got) == sorted(expected) == list(range(8))
     for step in range(8):

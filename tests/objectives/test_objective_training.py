@@ -16,14 +16,17 @@ from helpers import B, T, V, clm_batch, fast_optim, mlm_batch, run_two_ranks, se
 from helpers import tiny_objective_config as tiny
 from torch.utils.data import DataLoader
 
+from lit_transformer.errors import RunError
 from lit_transformer.model.accounting import train_flops
 from lit_transformer.objectives import (
     CausalLM,
     MaskedLM,
+    MultiTaskLM,
     Seq2SeqLM,
     SequenceClassifier,
     evaluate_batches,
 )
+from lit_transformer.training.callbacks import NonFiniteGuard
 
 
 @pytest.fixture(autouse=True)
@@ -147,6 +150,25 @@ def test_nonfinite_loss_skips_the_step_and_leaves_weights():
     )
 
 
+def test_nonfinite_guard_stops_on_the_objectives_counter(tmp_path):
+    """NonFiniteGuard reads the objective's declared skipped_steps: a streak of `patience` skipped
+    steps stops the run, a step that trains in between starts the streak again, and a resumed
+    count (on_train_start) is not a streak."""
+    module = CausalLM(tiny("decoder"))
+    module.skipped_steps = 5  # restored from a checkpoint
+    guard = NonFiniteGuard(patience=2, checkpoint_dir=tmp_path)
+    fit = type("Fit", (), {"global_step": 9})()
+    guard.on_train_start(fit, module)
+    for skipped in (6, 6, 7):  # skipped, trained, skipped
+        module.skipped_steps = skipped
+        guard.on_train_batch_end(fit, module, None, None, 0)
+    module.skipped_steps = 8
+    with pytest.raises(RunError, match=r"step 9: 2 steps in a row .* no checkpoint was written"):
+        guard.on_train_batch_end(fit, module, None, None, 0)
+    with pytest.raises(AttributeError, match="skipped_steps"):  # no silent guard on a module without one
+        guard.on_train_start(fit, torch.nn.Linear(1, 1))
+
+
 def test_causal_lm_overfits_and_samples():
     batch = clm_batch()
     module = CausalLM(tiny("decoder", position="rope", norm="rmsnorm", activation="swiglu", bias=False), fast_optim())
@@ -222,18 +244,68 @@ def test_classifier_learns_a_separable_problem(problem, arch):
     assert values["loss"] < 0.1
 
 
+# ----------------------------------------------------------------------------- the objective surface
+
+
+@pytest.mark.parametrize("cls,metrics", [(CausalLM, ["loss"]), (MaskedLM, ["loss", "masked_accuracy"])])
+def test_language_models_share_one_constructor(cls, metrics):
+    """CausalLM and MaskedLM take a config or a LanguageModel, save what rebuilds them, and sum
+    their own eval metrics."""
+    module = cls(tiny("decoder"), fast_optim(), 7, bytes_per_token=2.5, skip_nonfinite=False)
+    assert list(module.eval_metrics) == metrics
+    assert module.bytes_per_token == 2.5 and module.max_steps == 7 and not module.skip_nonfinite
+    assert {"model", "bytes_per_token", "optim", "max_steps", "skip_nonfinite"} <= set(module.hparams)
+    rebuilt = cls.from_hparams(dict(module.hparams))
+    assert rebuilt.model_config == module.model_config and rebuilt.bytes_per_token == 2.5
+    assert rebuilt.optim == module.optim and rebuilt.max_steps == 7 and not rebuilt.skip_nonfinite
+    assert cls(module.model).model is module.model  # a LanguageModel trains further, unchanged
+    with pytest.raises(TypeError, match="unknown objective option 'skip_nonfinit'"):
+        cls(tiny("decoder"), skip_nonfinit=True)
+
+
+class _Measured:
+    """A data module's bytes per token of every split: 3.0 (task 0) and 5.0 (task 1)."""
+
+    def split_bytes_per_token(self, split: str) -> float:
+        return 3.0
+
+    def bytes_per_token_of(self, index: int, split: str) -> float:
+        return (3.0, 5.0)[index]
+
+
+def test_bytes_measured_on_puts_the_bytes_per_token_back():
+    """Bits per byte of another set divides by that set's bytes per token for the duration of
+    the block only, an error inside it included; a mixture's state is each task's."""
+    single = CausalLM(tiny("decoder"), bytes_per_token=2.0)
+    tasks = [{"name": "c", "objective": "clm"}, {"name": "m", "objective": "mlm"}]
+    mixture = MultiTaskLM(tiny("decoder"), tasks, bytes_per_token=[2.0, 4.0])
+    assert single.bytes_state() == 2.0 and mixture.bytes_state() == [2.0, None]  # mlm: no bits per byte
+    for module, measured in ((single, 3.0), (mixture, [3.0, None])):
+        before = module.bytes_state()
+        with module.bytes_measured_on(_Measured(), "test"):
+            assert module.bytes_state() == measured
+        assert module.bytes_state() == before
+        with pytest.raises(KeyError), module.bytes_measured_on(_Measured(), "test"):
+            raise KeyError("an evaluation that fails")
+        assert module.bytes_state() == before
+    assert single.lm_eval_metrics(math.log(2) * 2.0)["bpb"] == pytest.approx(1.0)  # 2 bits a token, 2 bytes
+    state = mixture.bytes_state()
+    state[0] = 9.0  # a copy: changing it changes nothing
+    assert mixture.bytes_state() == [2.0, None]
+
+
 # ----------------------------------------------------------------------------- FSDP2 hook
 
 _FSDP_SCRIPT = r"""
 import json, sys, warnings, torch, lightning as L
 from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lit_transformer.model import TransformerConfig
+from helpers import tiny_objective_config  # tests/ is on the scripts' path (helpers.run_two_ranks)
 from lit_transformer.objectives import CausalLM, OptimConfig
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
 torch.manual_seed(0)
-cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44, max_seq_len=32)
+cfg = tiny_objective_config("decoder")
 module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0, weight_decay=0.1))
 ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]
 batch = {"input_ids": ids, "labels": labels}

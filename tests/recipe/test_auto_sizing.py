@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, losses
+from helpers import RECIPES, TINY_RUN, losses, tiny_run_config
 from safetensors.torch import load_file
 
 from lit_transformer.commands.cli import main
 from lit_transformer.commands.train import train
 from lit_transformer.model.accounting import non_embedding_parameters
-from lit_transformer.recipe import auto_rules as auto
+from lit_transformer.recipe import auto_rules
 from lit_transformer.recipe.load import RecipeError, load_recipe, to_yaml
-from lit_transformer.training import auto_resolve as autosize
+from lit_transformer.run.resolve import resolve_run
+from lit_transformer.training import auto_resolve
 
 # the tiny runs' shape keys back to null, so that model.size=auto may choose them
 NO_SHAPE = ["model.d_model=null", "model.n_heads=null", "model.d_ff=null", "model.n_layers=null"]
@@ -29,11 +30,7 @@ ALL_AUTO = [*NO_SHAPE, "model.size=auto", "tokenizer.vocab_size=auto", "model.dr
 def _no_inherited_values(monkeypatch):
     """resolve_auto leaves its values in the environment for the processes a launcher starts:
     restored after each test."""
-    monkeypatch.setenv(autosize.ENV, "{}")
-
-
-def recipe(run_dir: Path, *extra: str):
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY_RUN, f"run.dir={run_dir}", *extra])
+    monkeypatch.setenv(auto_resolve.ENV, "{}")
 
 
 def write_corpus(folder: Path, megabytes: float) -> Path:
@@ -45,16 +42,23 @@ def write_corpus(folder: Path, megabytes: float) -> Path:
 
 
 def fixed_speed(flops: float):
-    def measure(model, cfg):
+    def measure(model, trainer, data):
         return flops
 
     return measure
 
 
+def resolve_auto(cfg, **options):
+    """The config a run of `cfg` trains with (run/resolve.py resolves its `auto` values)."""
+    return resolve_run(cfg, training=False, **options).config
+
+
 def resolved(tmp_path: Path, megabytes: float, flops: float, *extra: str):
     corpus = write_corpus(tmp_path, megabytes)
-    cfg = recipe(tmp_path / "run", *ALL_AUTO, f"data.train_files=[{corpus}]", "data.max_train_bytes=null", *extra)
-    return autosize.resolve_auto(cfg, measure=fixed_speed(flops), quiet=True)
+    cfg = tiny_run_config(
+        tmp_path / "run", *ALL_AUTO, f"data.train_files=[{corpus}]", "data.max_train_bytes=null", *extra
+    )
+    return resolve_auto(cfg, measure=fixed_speed(flops), quiet=True)
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -64,25 +68,25 @@ def test_auto_values_resolve_deterministically_from_the_corpus_and_the_step_spee
     a = resolved(tmp_path, 1.26, 5e9, "trainer.max_time=250", "data.batch_size=auto")
     b = resolved(tmp_path, 1.26, 5e9, "trainer.max_time=250", "data.batch_size=auto")
     assert to_yaml(a) == to_yaml(b)
-    assert auto.auto_keys(a) == []  # plain values everywhere
+    assert auto_rules.auto_keys(a) == []  # plain values everywhere
     model = a.model
     # the rules by hand: the tokens the budget buys, per weight, choose the shape
     chosen = (model.d_model, model.n_layers, model.n_heads)
-    assert chosen in auto.SHAPES
-    tokens = 5e9 * 250 / auto.flops_per_token(load_model(a), a.data.block_size)
-    assert tokens >= auto.TOKENS_PER_WEIGHT * non_embedding_parameters(load_model(a))
-    index = auto.SHAPES.index(chosen)
-    if index + 1 < len(auto.SHAPES):  # the next shape up would not have seen enough tokens per weight
-        bigger = auto.shape_config(load_model(a), *auto.SHAPES[index + 1])
-        bigger = bigger.replace(vocab_size=auto.vocab_for(1_260_000, bigger))
-        assert 5e9 * 250 / auto.flops_per_token(bigger, a.data.block_size) < auto.TOKENS_PER_WEIGHT * (
+    assert chosen in auto_rules.SHAPES
+    tokens = 5e9 * 250 / auto_rules.flops_per_token(load_model(a), a.data.block_size)
+    assert tokens >= auto_rules.TOKENS_PER_WEIGHT * non_embedding_parameters(load_model(a))
+    index = auto_rules.SHAPES.index(chosen)
+    if index + 1 < len(auto_rules.SHAPES):  # the next shape up would not have seen enough tokens per weight
+        bigger = auto_rules.shape_config(load_model(a), *auto_rules.SHAPES[index + 1])
+        bigger = bigger.replace(vocab_size=auto_rules.vocab_for(1_260_000, bigger))
+        assert 5e9 * 250 / auto_rules.flops_per_token(bigger, a.data.block_size) < auto_rules.TOKENS_PER_WEIGHT * (
             non_embedding_parameters(bigger)
         )
-    assert a.tokenizer.vocab_size == model.vocab_size == auto.vocab_for(1_260_000, load_model(a))
-    passes = tokens * auto.BYTES_PER_TOKEN / 1_260_000
-    assert a.model.dropout == auto.dropout_for(passes)
+    assert a.tokenizer.vocab_size == model.vocab_size == auto_rules.vocab_for(1_260_000, load_model(a))
+    passes = tokens * auto_rules.BYTES_PER_TOKEN / 1_260_000
+    assert a.model.dropout == auto_rules.dropout_for(passes)
     steps = tokens / (a.data.batch_size * a.data.block_size)
-    assert steps >= auto.MIN_STEPS > steps / 2  # the largest power-of-two batch leaving MIN_STEPS
+    assert steps >= auto_rules.MIN_STEPS > steps / 2  # the largest power-of-two batch leaving MIN_STEPS
 
 
 def load_model(cfg):
@@ -96,15 +100,20 @@ def test_a_faster_machine_gets_a_larger_model_and_a_larger_corpus_a_larger_vocab
     fast = resolved(tmp_path, 1.0, 1e11, "trainer.max_time=250")
     assert non_embedding_parameters(load_model(fast)) > non_embedding_parameters(load_model(slow))
     # the corpus alone, the head bound off (a wide model): a power of two near bytes / 150
-    assert [auto.vocab_for(n, None) for n in (100_000, 600_000, 1_260_000, 5_000_000)] == [1024, 4096, 8192, 32768]
-    wide = auto.shape_config(load_model(fast), 768, 12, 12)
-    assert auto.vocab_for(5_000_000, wide) == 32768
-    narrow = auto.shape_config(load_model(fast), 96, 2, 2)
-    assert auto.vocab_for(5_000_000, narrow) == 2048  # the head may not outweigh two 96-wide blocks
+    assert [auto_rules.vocab_for(n, None) for n in (100_000, 600_000, 1_260_000, 5_000_000)] == [
+        1024,
+        4096,
+        8192,
+        32768,
+    ]
+    wide = auto_rules.shape_config(load_model(fast), 768, 12, 12)
+    assert auto_rules.vocab_for(5_000_000, wide) == 32768
+    narrow = auto_rules.shape_config(load_model(fast), 96, 2, 2)
+    assert auto_rules.vocab_for(5_000_000, narrow) == 2048  # the head may not outweigh two 96-wide blocks
 
 
 def test_dropout_grows_with_the_passes_over_the_corpus():
-    assert [auto.dropout_for(p) for p in (0.5, 1.5, 2.0, 3.0, 4.0, 6.0, 7.5, 9.0, 40.0)] == [
+    assert [auto_rules.dropout_for(p) for p in (0.5, 1.5, 2.0, 3.0, 4.0, 6.0, 7.5, 9.0, 40.0)] == [
         0.0, 0.0, 0.0, 0.05, 0.05, 0.1, 0.15, 0.2, 0.2
     ]  # fmt: skip
 
@@ -112,18 +121,20 @@ def test_dropout_grows_with_the_passes_over_the_corpus():
 def test_dropout_agrees_with_the_runs_it_cites():
     """auto_rules' docstring: 1.4 passes of WMT news wanted none, 5 passes of WikiText-2 0.1 (as
     does speedrun-clm's 5.9 on WikiText-2), 10 passes 0.2."""
-    assert [auto.dropout_for(p) for p in (1.4, 5.0, 5.9, 10.0)] == [0.0, 0.1, 0.1, 0.2]
+    assert [auto_rules.dropout_for(p) for p in (1.4, 5.0, 5.9, 10.0)] == [0.0, 0.1, 0.1, 0.2]
 
 
 def test_without_a_time_budget_max_steps_is_the_budget_and_nothing_is_measured(tmp_path):
-    def no_measure(model, cfg):
+    def no_measure(*_):
         raise AssertionError("max_steps budgets need no speed")
 
-    cfg = recipe(tmp_path / "run", *ALL_AUTO, "trainer.max_steps=200")
-    out = autosize.resolve_auto(cfg, measure=no_measure, quiet=True)
+    cfg = tiny_run_config(tmp_path / "run", *ALL_AUTO, "trainer.max_steps=200")
+    out = resolve_auto(cfg, measure=no_measure, quiet=True)
     tokens = 200 * 3 * 24  # steps x TINY_RUN's batch x block
-    assert (out.model.d_model, out.model.n_layers, out.model.n_heads) == auto.SHAPES[0]  # few tokens: the smallest
-    assert out.model.dropout == auto.dropout_for(tokens * auto.BYTES_PER_TOKEN / 150_000)
+    assert (out.model.d_model, out.model.n_layers, out.model.n_heads) == auto_rules.SHAPES[
+        0
+    ]  # few tokens: the smallest
+    assert out.model.dropout == auto_rules.dropout_for(tokens * auto_rules.BYTES_PER_TOKEN / 150_000)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -136,7 +147,7 @@ def test_a_run_with_the_resolved_values_written_out_equals_the_auto_run(tmp_path
     err = capsys.readouterr().err
     assert "auto: model.d_model=96 model.n_layers=2 model.n_heads=2" in err and "tokenizer.vocab_size=1024" in err
     written = load_recipe(auto_run / "config.yaml", [f"run.dir={tmp_path / 'plain'}"])
-    assert auto.auto_keys(written) == [] and written.model.d_model == 96 and written.tokenizer.vocab_size == 1024
+    assert auto_rules.auto_keys(written) == [] and written.model.d_model == 96 and written.tokenizer.vocab_size == 1024
     train(written, progress_bar=False)
     assert losses(auto_run) == losses(tmp_path / "plain")
     a, b = load_file(auto_run / "model.safetensors"), load_file(tmp_path / "plain" / "model.safetensors")
@@ -144,14 +155,14 @@ def test_a_run_with_the_resolved_values_written_out_equals_the_auto_run(tmp_path
 
 
 def test_print_config_shows_the_resolved_values(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(autosize, "measure_flops_per_second", fixed_speed(2e9))
+    monkeypatch.setattr(auto_resolve, "measure_flops_per_second", fixed_speed(2e9))
     corpus = write_corpus(tmp_path, 0.6)
     args = [*TINY_RUN, *ALL_AUTO, f"data.train_files=[{corpus}]", "trainer.max_time=60", "data.max_train_bytes=null"]
     assert main(["pretrain", str(RECIPES / "tiny-clm.yaml"), *args, "--print-config"]) == 0
     out, err = capsys.readouterr()
     assert "auto: model.d_model=" in err and "GFLOP/s measured" in err
-    expected = autosize.resolve_auto(load_recipe(RECIPES / "tiny-clm.yaml", args), measure=fixed_speed(2e9))
-    assert out == to_yaml(expected) and auto.auto_keys(expected) == []
+    expected = resolve_auto(load_recipe(RECIPES / "tiny-clm.yaml", args), measure=fixed_speed(2e9))
+    assert out == to_yaml(expected) and auto_rules.auto_keys(expected) == []
 
 
 def test_a_resumed_run_takes_the_values_its_config_recorded(tmp_path, monkeypatch):
@@ -160,35 +171,35 @@ def test_a_resumed_run_takes_the_values_its_config_recorded(tmp_path, monkeypatc
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(first))
 
-    def no_measure(model, cfg):
+    def no_measure(*_):
         raise AssertionError("a resume must not measure again")
 
     corpus = write_corpus(tmp_path, 1.0)
-    cfg = recipe(run_dir, *ALL_AUTO, f"data.train_files=[{corpus}]", "data.max_train_bytes=null",
-                 "trainer.max_time=100", "resume=auto")  # fmt: skip
-    again = autosize.resolve_auto(cfg, measure=no_measure, quiet=True)
+    cfg = tiny_run_config(run_dir, *ALL_AUTO, f"data.train_files=[{corpus}]", "data.max_train_bytes=null",
+                          "trainer.max_time=100", "resume=auto")  # fmt: skip
+    again = resolve_auto(cfg, measure=no_measure, quiet=True)
     assert again.model == first.model and again.tokenizer == first.tokenizer
 
 
 def test_processes_a_launcher_starts_take_the_first_process_values(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    monkeypatch.setenv(autosize.ENV, json.dumps({"run_dir": str(run_dir), "values": {"model.dropout": 0.2}}))
-    cfg = recipe(run_dir, "model.dropout=auto", "trainer.max_time=10")
+    monkeypatch.setenv(auto_resolve.ENV, json.dumps({"run_dir": str(run_dir), "values": {"model.dropout": 0.2}}))
+    cfg = tiny_run_config(run_dir, "model.dropout=auto", "trainer.max_time=10")
 
-    def no_measure(model, cfg):
+    def no_measure(*_):
         raise AssertionError("the values come from the first process")
 
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert autosize.resolve_auto(cfg, measure=no_measure, quiet=True).model.dropout == 0.2
+    assert resolve_auto(cfg, measure=no_measure, quiet=True).model.dropout == 0.2
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's first process: every process would measure its own
     with pytest.raises(RecipeError, match="torchrun or srun"):
-        autosize.resolve_auto(cfg, measure=no_measure, quiet=True)
+        resolve_auto(cfg, measure=no_measure, quiet=True)
 
 
 def test_the_speed_probe_measures_a_real_step():
     cfg = load_recipe(RECIPES / "tiny-clm.yaml", [*TINY_RUN])
-    flops = autosize.measure_flops_per_second(load_model(cfg), cfg)
+    flops = auto_resolve.measure_flops_per_second(load_model(cfg), cfg.trainer, cfg.data)
     assert math.isfinite(flops) and 1e6 < flops < 1e13
 
 
@@ -212,7 +223,7 @@ def test_the_speed_probe_measures_a_real_step():
 )
 def test_bad_auto_combinations_are_one_line_errors(tmp_path, extra, message):
     with pytest.raises(RecipeError) as error:
-        recipe(tmp_path, *extra)
+        tiny_run_config(tmp_path, *extra)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

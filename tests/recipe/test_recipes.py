@@ -21,7 +21,7 @@ from lit_transformer.recipe.load import (
     to_dict,
 )
 from lit_transformer.recipe.model_section import model_config
-from lit_transformer.training.auto_resolve import resolve_auto
+from lit_transformer.run.resolve import resolve_run
 
 ALL = sorted(RECIPES.glob("*.yaml"))
 PAPER_PARAMETERS = {  # millions, from each paper (ours: the recipe's tokenizer vocabulary)
@@ -61,13 +61,13 @@ def test_every_recipe_loads_and_builds(path):
     if cfg.finetune.from_ is not None:  # the model comes from elsewhere: a run or MiniLM
         assert cfg.objective.name == "classify"
         if cfg.finetune.from_ == "minilm":
-            from lit_transformer.commands.loading import resolve_source
+            from lit_transformer.run.loading import resolve_source
 
             source = resolve_source("minilm")
             assert source.kind == "model" and source.tokenizer is not None
         return
     if auto_keys(cfg):  # sized when the run starts: here at a fixed 100 GFLOP/s, 2 CPU cores' order
-        cfg = resolve_auto(cfg, measure=lambda model, cfg: 100e9, quiet=True)
+        cfg = resolve_run(cfg, measure=lambda *_: 100e9, training=False, quiet=True).config
     model_cfg = model_config(cfg)
     big = "tiny" not in path.stem
     model = LanguageModel.from_config(model_cfg, device="meta" if big else "cpu")

@@ -153,14 +153,14 @@ def test_masks_that_mask_nothing_are_dropped_before_the_graph():
 
 
 def test_float8_is_refused_in_one_line_without_float8_matrix_units(monkeypatch):
-    """On this CPU machine: refused at start-up by the trainer factory, naming the key. A GPU
-    older than compute capability 8.9 is refused with its name and capability."""
+    """On this CPU machine: refused by the start-up checks, naming the key. A GPU older than
+    compute capability 8.9 is refused with its name and capability."""
     from lit_transformer.recipe.schema import TrainerConfig
-    from lit_transformer.training.trainer import build_strategy
+    from lit_transformer.training.preflight import check_precision
 
     with pytest.raises(RecipeError, match=r"^trainer\.float8=true needs an NVIDIA GPU.*this run is on CPU$"):
-        build_strategy(TrainerConfig(float8=True, accelerator="cpu"))
-    build_strategy(TrainerConfig(float8=False, accelerator="cpu"))  # off: nothing to refuse
+        check_precision(TrainerConfig(float8=True, accelerator="cpu"))
+    check_precision(TrainerConfig(float8=False, accelerator="cpu"))  # off: nothing to refuse
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")

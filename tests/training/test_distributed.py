@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, run_two_ranks
+from helpers import ONE_RANK, RECIPES, TINY_RUN, tiny_config, two_rank_job
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
@@ -101,14 +101,13 @@ _SCRIPT = (
 import sys
 
 from lit_transformer.recipe.load import load_recipe
-from helpers import StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import TWO_RANKS, StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
 from lit_transformer.commands.train import train
 
 root, recipes, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
 objectives, extra = json.loads(sys.argv[4]), json.loads(sys.argv[5])
-for strategy in ("ddp", "fsdp"):  # one launch: each process spends seconds on its imports
+for strategy, two in TWO_RANKS.items():
     out = root / strategy
-    two = [f"trainer.strategy={strategy}", "trainer.devices=2", "data.batch_size=3"]
     for name in objectives:
         args = [*common, *extra.get(name, []), *two, f"run.dir={out / name}"]
         cfg = load_recipe(recipes / f"tiny-{name}.yaml", args)
@@ -138,31 +137,27 @@ def single(tmp_path_factory, cache) -> Path:
         for name in OBJECTIVES:
             cfg = load_recipe(
                 RECIPES / f"tiny-{name}.yaml",
-                [*COMMON, *EXTRA.get(name, []), "data.batch_size=6", f"run.dir={out / name}"],
+                [*COMMON, *EXTRA.get(name, []), *ONE_RANK, f"run.dir={out / name}"],
             )
             train(cfg, callbacks=[namespace["Record"](out / name / "record")], progress_bar=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, single, cache) -> Path:
-    """The ddp runs and then the fsdp runs, in one 2-process launch: <folder>/ddp, <folder>/fsdp."""
-    out = tmp_path_factory.mktemp("two")
-    script = out / "run.py"
-    script.write_text(_SCRIPT)
-    args = [str(out), str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
-    run_two_ranks(script, args, cache, out, timeout=600)
-    return out
+def two_processes(tmp_path_factory, single, cache) -> dict[str, Path]:
+    """The ddp runs and then the fsdp runs, in one 2-process launch: {strategy: its folder}."""
+    args = [str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
+    return two_rank_job(tmp_path_factory.mktemp("two"), _SCRIPT, args, cache, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def ddp(two_processes) -> Path:
-    return two_processes / "ddp"
+    return two_processes["ddp"]
 
 
 @pytest.fixture(scope="module")
 def fsdp(two_processes) -> Path:
-    return two_processes / "fsdp"
+    return two_processes["fsdp"]
 
 
 def _records(run: Path, ranks: int) -> list[list[dict]]:
@@ -261,13 +256,14 @@ def test_sharded_checkpoint_resumes_exactly_and_is_read_by_every_command(fsdp, s
 def test_fsdp_strategy_and_16_mixed_refused_on_cpu(tmp_path):
     from lit_transformer.errors import RecipeError
     from lit_transformer.training.distributed import FSDP2Strategy
+    from lit_transformer.training.preflight import check_precision
     from lit_transformer.training.trainer import build_strategy
 
     clm = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.strategy=fsdp", f"run.dir={tmp_path}"])
     assert isinstance(build_strategy(clm.trainer), FSDP2Strategy)
     fp16 = load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, "trainer.precision=16-mixed", f"run.dir={tmp_path}"])
     with pytest.raises(RecipeError, match="16-mixed needs CUDA"):
-        build_strategy(fp16.trainer)
+        check_precision(fp16.trainer)
 
 
 def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):
@@ -275,7 +271,7 @@ def test_averaging_reads_sharded_checkpoints(fsdp, single, tmp_path):
     a sharded last.ckpt and a one-file checkpoint (the one-process run's, every weight + 1, so that
     the two differ) equals the mean of their weights."""
     from lit_transformer import load_pretrained
-    from lit_transformer.commands.average import average_state_dicts
+    from lit_transformer.training.averaging import average_state_dicts
 
     shifted = torch.load(single / "clm" / "checkpoints" / "last.ckpt", weights_only=True)
     shifted["state_dict"] = {k: v + 1 if v.is_floating_point() else v for k, v in shifted["state_dict"].items()}
@@ -297,11 +293,11 @@ def test_materialize_allocates_only_the_meta_tensors():
     in some runs of tests/test_option_pairs_distributed.py, depending on what the allocator returned)."""
     from torch import nn
 
-    from lit_transformer.model import LanguageModel, TransformerConfig
+    from lit_transformer.model import LanguageModel
     from lit_transformer.objectives.metrics import TokenAverage
     from lit_transformer.training.distributed import materialize
 
-    cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32)
+    cfg = tiny_config("decoder")
     holder = nn.Module()
     holder.model = LanguageModel.from_config(cfg, device="meta")
     holder.metric = TokenAverage()

@@ -4,11 +4,9 @@ and the average."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from helpers import TINY_RUN, StopAt, losses
+from helpers import RECIPES, TINY_RUN, StopAt, losses, tiny_run_config
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
@@ -18,8 +16,6 @@ from lit_transformer.errors import RecipeError
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.checkpoints import read_checkpoint
 from lit_transformer.training.rundir import read_metrics
-
-RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 DECAY = 0.5  # large steps of the average, so that a wrong update order shows
 COMMON = [
@@ -34,10 +30,6 @@ COMMON = [
 ]
 
 
-def config(run_dir, *extra):
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*COMMON, f"run.dir={run_dir}", *extra])
-
-
 class RecordWeights(Callback):
     """The trained weights after every optimizer step, by parameter name."""
 
@@ -50,7 +42,7 @@ class RecordWeights(Callback):
 
 def test_the_final_model_is_the_moving_average_of_the_steps(tmp_path):
     record = RecordWeights()
-    train(config(tmp_path / "run"), callbacks=[record], progress_bar=False)
+    train(tiny_run_config(tmp_path / "run", base=COMMON), callbacks=[record], progress_bar=False)
     assert len(record.steps) == 4
     average = dict(record.steps[0])  # the average starts as the first step's weights
     for step in record.steps[1:]:
@@ -134,9 +126,9 @@ def test_validation_and_named_evaluations_see_the_average(tmp_path):
 
 def test_a_resumed_run_continues_the_average(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(config(whole), progress_bar=False)
-    train(config(parts), callbacks=[StopAt(2)], progress_bar=False)
-    train(config(parts, "resume=auto"), progress_bar=False)
+    train(tiny_run_config(whole, base=COMMON), progress_bar=False)
+    train(tiny_run_config(parts, base=COMMON), callbacks=[StopAt(2)], progress_bar=False)
+    train(tiny_run_config(parts, "resume=auto", base=COMMON), progress_bar=False)
     expected, got = losses(whole), losses(parts)
     assert sorted(got) == sorted(expected) == [0, 1, 2, 3]
     for step in expected:  # the trained weights continued, not the average
@@ -156,4 +148,4 @@ def test_a_resumed_run_continues_the_average(tmp_path):
 )
 def test_bad_ema_settings_are_one_line_errors(tmp_path, extra, message):
     with pytest.raises(RecipeError, match=message):
-        config(tmp_path / "run", *extra)
+        tiny_run_config(tmp_path / "run", *extra, base=COMMON)

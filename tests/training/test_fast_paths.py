@@ -268,7 +268,7 @@ _FSDP_SCRIPT = r"""
 import json, warnings, torch, lightning as L
 from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lit_transformer.model import TransformerConfig
+from helpers import tiny_objective_config  # tests/ is on the scripts' path (helpers.run_two_ranks)
 from lit_transformer.objectives import CausalLM, OptimConfig
 from lit_transformer.training.distributed import CheckpointedBlock
 warnings.filterwarnings("ignore")
@@ -290,8 +290,7 @@ RUNS = {"plain": (False, False, 0.1), "checkpointed": (True, False, 0.1), "eager
         "compiled": (True, True, 0.0)}
 for name, (checkpointing, compile, dropout) in RUNS.items():
     torch.manual_seed(0)
-    cfg = TransformerConfig(arch="decoder", vocab_size=99, d_model=30, n_heads=3, n_layers=2, d_ff=44,
-                            max_seq_len=32, dropout=dropout)
+    cfg = tiny_objective_config("decoder", dropout=dropout)
     module = CausalLM(cfg, OptimConfig(lr=1e-2, schedule="constant", warmup_steps=0),
                       activation_checkpointing=checkpointing, compile=compile)
     ids = torch.randint(4, 99, (3, 7)); labels = torch.full((3, 7), -100); labels[:, :-1] = ids[:, 1:]

@@ -74,12 +74,16 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, monkeypa
 
 @pytest.mark.parametrize("bf16_cpu", [True, False])
 def test_language_models_default_to_bf16_where_bf16_is_fast(bf16_cpu, monkeypatch):
-    from lit_transformer.recipe import load
-    from lit_transformer.recipe.load import load_recipe
+    from lit_transformer import machine
+    from lit_transformer.recipe.load import load_recipe as read
+    from lit_transformer.run.resolve import resolve_run
+
+    def load_recipe(path, overrides=()):  # the precision is the resolver's: it asks the machine
+        return resolve_run(read(path, overrides), read_source=False, training=False, measure=lambda *_: 1e9).config
 
     flags = {"avx2", "amx_bf16"} if bf16_cpu else {"avx2", "avx512f"}
-    monkeypatch.setattr(load, "_cpu_flags", lambda: flags)
-    monkeypatch.setattr(load, "_has_nvidia_gpu", lambda: False)
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(machine, "has_nvidia_gpu", lambda: False)
     for path in RECIPES.glob("*.yaml"):
         cfg = load_recipe(path)
         if cfg.objective.name in ("span", "seq2seq"):  # never float16: T5's activations overflow it

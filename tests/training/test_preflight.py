@@ -176,9 +176,3 @@ def test_only_local_rank_0_of_a_node_checks(machine, tmp_path, monkeypatch, laun
             monkeypatch.setenv(name, value)
         check(cfg)
     assert checked == [("devices", 0), ("memory", 0)], launcher
-
-
-def test_the_loss_chunk_is_the_fused_loss_chunk():
-    from lit_transformer.objectives.fused_loss import CHUNK_ROWS
-
-    assert preflight.LOSS_CHUNK_ROWS == CHUNK_ROWS

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from lit_transformer.model.accounting import train_flops
 from lit_transformer.model.config import TransformerConfig
@@ -14,7 +15,7 @@ from lit_transformer.training import throughput
 from lit_transformer.training.throughput import StepWork, Throughput
 
 B, T = 3, 7
-CFG = TransformerConfig(arch="decoder", vocab_size=99, d_model=24, n_heads=3, n_layers=2, d_ff=37, max_seq_len=32)
+CFG = tiny_config("decoder")
 
 
 class FakeModule:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, tiny_config
+from helpers import RECIPES, tiny_config, tiny_run_config
 from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.commands.train import train
@@ -23,13 +22,6 @@ from lit_transformer.objectives.optim import (
 from lit_transformer.recipe.load import RecipeError, load_recipe
 from lit_transformer.recipe.schema import OptimConfig
 from lit_transformer.training.rundir import read_metrics
-
-TINY = [*TINY_RUN, "model.dropout=0.1"]  # dropout on: resuming has random draws to get right
-
-
-def clm_config(run_dir: Path, *extra: str):
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
-
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -177,7 +169,7 @@ def test_a_time_budget_ends_the_run_as_a_finished_one(tmp_path):
     probe = ClockProbe()
     run = tmp_path / "run"
     metrics = train(
-        clm_config(
+        tiny_run_config(
             run,
             "trainer.max_time=5",
             "trainer.max_steps=100000",

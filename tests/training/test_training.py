@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RECIPES, TINY_RUN, StopAt, losses
+from helpers import TINY_RUN, StopAt, losses, tiny_run_config
 from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from lit_transformer.commands.train import train
-from lit_transformer.recipe.load import load_recipe
 from lit_transformer.training.rundir import read_metrics
 
 # Dropout on, so that resuming has random draws to get right; W&B offline and sample generation
@@ -34,20 +33,16 @@ TINY = [
 pytestmark = pytest.mark.usefixtures("one_thread", "private_cache")
 
 
-def clm_config(run_dir: Path, *extra: str):
-    return load_recipe(RECIPES / "tiny-clm.yaml", [*TINY, f"run.dir={run_dir}", *extra])
-
-
 def test_resume_continues_exactly(tmp_path):
     """Stopping at step 3 and resuming gives the uninterrupted run's losses, weights and W&B id."""
     common = ["trainer.max_steps=6", "trainer.val_check_interval=2", "trainer.checkpoint_every_n_steps=3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    train(clm_config(whole, *common, "logger.wandb.mode=disabled"), progress_bar=False)
-    train(clm_config(parts, *common), callbacks=[StopAt(3)], progress_bar=False)
+    train(tiny_run_config(whole, *common, "logger.wandb.mode=disabled", base=TINY), progress_bar=False)
+    train(tiny_run_config(parts, *common, base=TINY), callbacks=[StopAt(3)], progress_bar=False)
     assert (parts / "checkpoints" / "last.ckpt").is_file()
     assert not (parts / "model.safetensors").exists()  # an interrupted run has no final model
     assert max(losses(parts)) == 2
-    train(clm_config(parts, *common, "resume=auto"), progress_bar=False)
+    train(tiny_run_config(parts, *common, "resume=auto", base=TINY), progress_bar=False)
 
     expected, got = losses(whole), losses(parts)
     assert sorted(got) == sorted(expected) == list(range(6))  # Lightning logs step - 1 for step's loss
@@ -99,8 +94,8 @@ def test_progress_bar_counts_optimizer_steps_toward_max_steps(tmp_path):
         "logger.wandb.mode=disabled",
     ]
     first, second = BarProbe(), BarProbe()
-    train(clm_config(tmp_path / "run", *common), callbacks=[first, StopAt(2)])
-    train(clm_config(tmp_path / "run", *common, "resume=auto"), callbacks=[second])
+    train(tiny_run_config(tmp_path / "run", *common, base=TINY), callbacks=[first, StopAt(2)])
+    train(tiny_run_config(tmp_path / "run", *common, "resume=auto", base=TINY), callbacks=[second])
     assert {total for total, *_ in first.seen + second.seen} == {4}  # optimizer steps, not batches
     assert all(completed == step for _, completed, step, _ in first.seen + second.seen)
     assert [c for _, c, _, _ in first.seen] == [0, 1, 1, 2]  # two batches per optimizer step
@@ -112,7 +107,7 @@ def test_resume_path_and_missing_checkpoint(tmp_path):
     from lit_transformer.errors import RunError
 
     with pytest.raises(RunError, match="no such checkpoint"):
-        train(clm_config(tmp_path / "r", f"resume={tmp_path / 'none.ckpt'}"), progress_bar=False)
+        train(tiny_run_config(tmp_path / "r", f"resume={tmp_path / 'none.ckpt'}", base=TINY), progress_bar=False)
 
 
 # ----------------------------------------------------------------------------- W&B offline files
@@ -160,7 +155,9 @@ def valid_checksums(path) -> bool:
 def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):
     run_dir = tmp_path / "run"
     metrics = train(
-        clm_config(run_dir, "trainer.max_steps=4", "trainer.val_check_interval=2", "logger.wandb.tags=[tiny,test]"),
+        tiny_run_config(
+            run_dir, "trainer.max_steps=4", "trainer.val_check_interval=2", "logger.wandb.tags=[tiny,test]", base=TINY
+        ),
         progress_bar=False,
     )
     (log,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
@@ -194,7 +191,7 @@ def test_wandb_offline_files_hold_metrics_config_and_samples(tmp_path):
 
 def test_disabled_wandb_writes_no_files(tmp_path):
     run_dir = tmp_path / "run"
-    train(clm_config(run_dir, "trainer.max_steps=1", "logger.wandb.mode=disabled"), progress_bar=False)
+    train(tiny_run_config(run_dir, "trainer.max_steps=1", "logger.wandb.mode=disabled", base=TINY), progress_bar=False)
     assert not (run_dir / "wandb").exists() and (run_dir / "csv" / "version_0" / "metrics.csv").is_file()
     # checkpoints: every N steps and always at the end
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step-1.ckpt"]
