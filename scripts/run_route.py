@@ -1,7 +1,8 @@
 """The route a run config takes from `pretrain` to the model, counted on a real run.
 
 Every call of a lit_transformer function that receives the run config (a RunConfig, or the
-resolved run built from it) is a stop; the stops are recorded in order, from the command line's
+resolved run built from it) is a stop (not the config's own methods, nor dunder methods such as
+a dataclass's generated __init__); the stops are recorded in order, from the command line's
 `pretrain` or `finetune` to the objective that builds the model (the first stop in
 objectives/). A "return up the layer ladder" is a stop in a higher layer than the stop before it
 (layers as tests/test_architecture.py's LAYERS): the config went down into a lower layer and came
@@ -52,6 +53,9 @@ def trace(argv: list[str]) -> list[tuple[str, str]]:
             return
         code = frame.f_code
         names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        own = names and names[0] == "self" and type(frame.f_locals.get("self")).__name__ in CONFIG_TYPES
+        if code.co_name.startswith("__") or own:
+            return  # a dataclass's generated methods, and the config's own methods: not a stop on its route
         if any(type(frame.f_locals.get(n)).__name__ in CONFIG_TYPES for n in names):
             stops.append((module, code.co_qualname))
             recording[0] = not module.startswith("lit_transformer.objectives")

@@ -232,7 +232,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def evaluate(args: argparse.Namespace) -> None:
-    from lit_transformer.commands.evaluate import Decoding, evaluate_suite
+    from lit_transformer.commands.evaluate import EvaluateDecoding, evaluate_suite
 
     flags = ("num_beams", "length_penalty", "max_new_tokens", "batch_size", "batch_tokens", "dtype", "device")
     result = evaluate_suite(
@@ -241,7 +241,7 @@ def evaluate(args: argparse.Namespace) -> None:
         **pick(args, "output", "lm_eval_include"),
         eval_names=tuple(args.eval_names),
         lm_eval_tasks=args.lm_eval,
-        decoding=Decoding(**pick(args, *flags), progress_bar=True),
+        decoding=EvaluateDecoding(**pick(args, *flags), progress_bar=True),
     )
     print_metrics(result, args.json)
 

@@ -41,7 +41,7 @@ TRANSLATION = "_translation"  # after a heldout entry's name: the translate entr
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoding:
+class EvaluateDecoding:
     """evaluate's decoding flags. The first three set the translate entries evaluate makes itself
     (None: the recipe's objective.num_beams, objective.length_penalty, data.max_target_length);
     the rest apply to them too (dtype None: the weights as loaded); the recipe's and a suite's
@@ -72,7 +72,7 @@ def evaluate_suite(
     lm_eval_include: str | None = None,
     limit: int | None = None,
     output: str | None = None,
-    decoding: Decoding = Decoding(),
+    decoding: EvaluateDecoding = EvaluateDecoding(),
 ) -> dict[str, Any]:
     """Every evaluation asked for, as `eval/<name>/<metric>`: the run's own `split` (validation
     or test; entry `<split>`), the file `data` (entry `data`; with `data_target`, the aligned
@@ -166,7 +166,7 @@ def made_entries(
     data_target: str | None,
     task: str | None,
     max_examples: int | None,
-    decoding: Decoding,
+    decoding: EvaluateDecoding,
 ) -> list[EvalConfig]:
     """The entries evaluate makes itself: heldout of the run's `split` and of `data`, and translate
     of the same pairs for a translation run (split) or with `data_target` (checked by the caller)."""

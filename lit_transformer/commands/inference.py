@@ -30,7 +30,7 @@ from lit_transformer.run.loading import (
 )
 
 
-def batch_generator(
+def text_generator(
     target: str,
     decoding: Decoding,
     *,
@@ -150,7 +150,7 @@ def generate(
         length_penalty=length_penalty,
         seed=seed,
     )
-    generate_text = batch_generator(
+    generate_text = text_generator(
         target,
         decoding,
         batch_size=1,
@@ -188,7 +188,7 @@ def generate_file(
     if not Path(input).is_file():  # before loading the model
         raise RunError(f"--input {input}: no such file")
     check_batching(batch_size, batch_tokens)
-    generate_text = batch_generator(
+    generate_text = text_generator(
         target,
         decoding_options(**decoding),
         batch_size=batch_size,

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lit_transformer import objectives
+from lit_transformer.data.data_plan import DataPlan
 from lit_transformer.data.modules.builder import build_data_module
 from lit_transformer.errors import RunError
 from lit_transformer.machine import cpu_threads
@@ -22,7 +24,7 @@ from lit_transformer.model.config import TransformerConfig
 from lit_transformer.model.language_model import LanguageModel
 from lit_transformer.recipe import registry
 from lit_transformer.recipe.load import save_config
-from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.schema import RunConfig, TrainerConfig
 from lit_transformer.run.loading import load_backbone, with_overrides
 from lit_transformer.run.resolve import ResolvedRun, resolve_run
 from lit_transformer.training import preflight
@@ -81,8 +83,8 @@ def build(run: ResolvedRun, callbacks: Sequence[Any], progress_bar: bool) -> Bui
     if ckpt is None:
         save_config(cfg, run_dir / CONFIG_YAML)
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
-    model = starting_model(run)
-    dm = data_module(run, model.vocab_size if isinstance(model, TransformerConfig) else model.config.vocab_size)
+    model = starting_model(run.model, run.source)
+    dm = data_module(run.data, run_dir, cfg.trainer, cfg.data.num_workers, model_vocab_size(model))
     module = build_objective(cfg, model, dm)
     extra = list(callbacks)
     if ckpt is not None:
@@ -102,25 +104,29 @@ def build(run: ResolvedRun, callbacks: Sequence[Any], progress_bar: bool) -> Bui
     return BuiltRun(module, dm, trainer, evaluations, str(ckpt) if ckpt is not None else None)
 
 
-def starting_model(run: ResolvedRun) -> TransformerConfig | LanguageModel:
+def starting_model(model: TransformerConfig, source: Any | None) -> TransformerConfig | LanguageModel:
     """What the objective trains: the resolved model config, or finetune.from's weights under it
     (the recipe's model fields applied on top)."""
-    if run.source is None:
-        return run.model
-    lm = load_backbone(run.source)
-    saved, wanted = lm.config.to_dict(), run.model.to_dict()
+    if source is None:
+        return model
+    lm = load_backbone(source)
+    saved, wanted = lm.config.to_dict(), model.to_dict()
     changes = {key: value for key, value in wanted.items() if saved.get(key) != value}
     return with_overrides(lm, changes).train()  # loaded in eval mode
 
 
-def data_module(run: ResolvedRun, model_vocab_size: int | None):
+def model_vocab_size(model: TransformerConfig | LanguageModel) -> int:
+    return model.vocab_size if isinstance(model, TransformerConfig) else model.config.vocab_size
+
+
+def data_module(plan: DataPlan, run_dir: Path, trainer: TrainerConfig, workers: int, vocab_size: int | None):
     """The prepared data module the objective reads: the run's data plan (one data kind, or a
-    mixture's tasks), built in data/."""
+    mixture's tasks), built in data/, with at most as many loader workers as a rank has cores."""
     dm = build_data_module(
-        run.data,
-        run_dir=str(run.run_dir),
-        model_vocab_size=model_vocab_size,
-        workers=preflight.capped_workers(run.config.trainer, run.config.data.num_workers),
+        plan,
+        run_dir=str(run_dir),
+        model_vocab_size=vocab_size,
+        workers=preflight.capped_workers(trainer, workers),
     )
     dm.prepare_data()
     dm.setup("fit")
@@ -196,7 +202,7 @@ def prepare(cfg: RunConfig, *, part: str | None = None, merge: int | None = None
             cfg.data, cfg.tokenizer, data_kind, run_dir, part=part, merge=merge, model_vocab_size=vocab
         )
     elif cfg.tasks:
-        dm = data_module(run, vocab)
+        dm = data_module(run.data, run_dir, cfg.trainer, cfg.data.num_workers, vocab)
         summary = {"tokenizer": str(run_dir / "tokenizer.json"), "tasks": dm.summaries()}
         print(f"tokenizer  {dm.vocab_size:,} tokens -> {run_dir / 'tokenizer.json'}")
         for task, splits in summary["tasks"].items():

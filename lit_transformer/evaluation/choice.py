@@ -325,11 +325,6 @@ def rolling_loglikelihoods(target: EvalTarget, texts: Sequence[str], *, batch_si
     return totals
 
 
-def rolling_loglikelihood(target: EvalTarget, text: str) -> float:
-    """One text's rolling log-likelihood (rolling_loglikelihoods)."""
-    return rolling_loglikelihoods(target, [text])[0]
-
-
 # ----------------------------------------------------------------------------- the evaluation
 
 

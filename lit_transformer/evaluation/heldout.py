@@ -78,7 +78,7 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, data=data, tasks=tasks)
 
 
-def run_labels(cfg: RunConfig) -> list | None:
+def trained_label_names(cfg: RunConfig) -> list | None:
     """A classification run's label names, in the model's order: its labels.json, which the run
     directory keeps beside the tokenizer.json that cfg.tokenizer.path names."""
     if cfg.tokenizer.path is None:
@@ -132,7 +132,7 @@ class Heldout:
         self.split = entry.split or "validation"
         self.cfg = _checked(entry, cfg)
         # the model's labels: the run's own split is numbered by them, as training numbered it
-        self.labels = run_labels(self.cfg)
+        self.labels = trained_label_names(self.cfg)
         # Every rank reads the whole set as one process would (the reader knows no ranks): left to
         # torch.distributed, each rank took every other row and max_examples rows of its own. The
         # objective's metrics still sum over the ranks: identical sums leave their ratios unchanged.

@@ -96,6 +96,11 @@ def pipeline(task: TaskConfig, arch: str) -> str:
     return TASK_OBJECTIVES[task.objective].pipelines[arch]
 
 
+def task_datas(cfg: RunConfig) -> list[DataConfig]:
+    """The data sections a run reads: each task's (task_data), or the recipe's own."""
+    return [task_data(cfg, task) for task in cfg.tasks] if cfg.tasks else [cfg.data]
+
+
 def task_data(cfg: RunConfig, task: TaskConfig) -> DataConfig:
     """The recipe's data section with the task's `data` overrides and objective parameters."""
     changes = {k: v for k, v in dataclasses.asdict(task.data).items() if v is not None}

@@ -9,8 +9,11 @@ everything a command needs before anything is trained or written, in one place a
      recipe/auto_rules.py); a resumed run takes those its config.yaml recorded
   4. the model config, built once and checked against the objective and the data (a
      fine-tuning run's: finetune.from's with the recipe's model keys on top)
-  5. the checkpoint a resumed run continues, and the accumulation that keeps its global batch
+  5. the checkpoint a resumed run continues (found before step 3), and the accumulation that
+     keeps its global batch
   6. the data plan the data module is built from
+  7. for a training run, the eval section's files: each exists and reads (the entries' other
+     keys were checked with the recipe)
 
 The result is frozen; nothing changes the run config after it. `pretrain`, `finetune`,
 `prepare`, `info`, `evaluate` and `--print-config` all start here. Imports that need torch are
@@ -32,7 +35,6 @@ from lit_transformer.data.data_plan import DataPlan
 from lit_transformer.errors import RunError
 from lit_transformer.model.config import TransformerConfig
 from lit_transformer.recipe import registry
-from lit_transformer.recipe.auto_rules import auto_keys
 from lit_transformer.recipe.model_section import (
     check_fits,
     complete_model,
@@ -41,7 +43,7 @@ from lit_transformer.recipe.model_section import (
     model_overrides,
 )
 from lit_transformer.recipe.schema import RunConfig
-from lit_transformer.recipe.tasks import data_plan, task_data, trains_bidirectional_mode
+from lit_transformer.recipe.tasks import data_plan, task_datas, trains_bidirectional_mode
 
 TOKENIZER_JSON = "tokenizer.json"  # training/rundir.py's name, which imports torch: the run's own tokenizer
 
@@ -89,11 +91,18 @@ def resolve_run(
         cfg = _start_from(cfg, source)
     if cfg.trainer.precision is None:
         cfg.trainer.precision = default_precision(registry.spec(cfg.objective.name).precision, cfg.trainer.accelerator)
-    keys = auto_keys(cfg)
-    if keys:
-        from lit_transformer.training.auto_resolve import auto_values  # measures: torch
+    resume_from = None
+    if training and cfg.resume is not None:
+        from lit_transformer.training.rundir import resume_checkpoint
 
-        cfg = complete_model(_with_auto_values(cfg, auto_values(cfg, keys, measure=measure, quiet=quiet)), "recipe")
+        resume_from = resume_checkpoint(cfg)
+    if cfg.finetune.from_ is None:  # a fine-tuning recipe brings its model: `auto` is refused at load
+        from lit_transformer.training.auto_resolve import auto_values  # torch only for `auto` values
+
+        values = auto_values(cfg, measure=measure, quiet=quiet)
+        if values:
+            cfg = dataclasses.replace(cfg, **_with_auto_values(values, cfg.model, cfg.tokenizer, cfg.data))
+            complete_model(cfg, "recipe")
     model = None
     if cfg.finetune.from_ is None:
         model = model_config(cfg)
@@ -102,13 +111,11 @@ def resolve_run(
 
         model = source_model_config(source).replace(**model_overrides(cfg))
         check_fits(cfg, model, f"finetune.from={cfg.finetune.from_}")
-    resume_from = None
-    if training and cfg.resume is not None:
-        from lit_transformer.training.rundir import resume_checkpoint
-
-        resume_from = resume_checkpoint(cfg)
-        if resume_from is not None:
-            cfg = _keep_global_batch(cfg, resume_from)
+    if resume_from is not None:
+        accumulate = _accumulation_for(resume_from, cfg.trainer, task_datas(cfg), bool(cfg.tasks))
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, accumulate_grad_batches=accumulate))
+    if training:
+        _check_eval_files(cfg.eval)
     return ResolvedRun(
         config=cfg,
         model=model,
@@ -171,20 +178,32 @@ def _start_from(cfg: RunConfig, source: Any) -> RunConfig:
     return cfg
 
 
-def _with_auto_values(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """Step 3: the `auto` keys' values (training/auto_resolve.py) in place of `auto`; model.size
-    back to null, its shape set."""
-    sections: dict[str, dict[str, Any]] = {"model": {}, "tokenizer": {}, "data": {}}
+def _with_auto_values(values: dict[str, Any], model: Any, tokenizer: Any, data: Any) -> dict[str, Any]:
+    """Step 3: the sections (model, tokenizer, data) with `values` (training/auto_resolve.py) in
+    place of `auto`; model.size back to null, its shape set."""
+    sections = {"model": model, "tokenizer": tokenizer, "data": data}
+    fields: dict[str, dict[str, Any]] = {"model": {}, "tokenizer": {}, "data": {}}
     for key, value in values.items():
         if key == "model.size":
-            sections["model"].update(size=None, **value)
+            fields["model"].update(size=None, **value)
         else:
             section, name = key.split(".")
-            sections[section][name] = value
-    return _replace(cfg, **sections)
+            fields[section][name] = value
+    return {name: dataclasses.replace(sections[name], **changed) for name, changed in fields.items()}
 
 
-def _keep_global_batch(cfg: RunConfig, ckpt: Path) -> RunConfig:
+def _check_eval_files(entries: list) -> None:
+    """Step 7: a missing or unreadable evaluation file is refused now, not after the tokenizer
+    is trained and the token cache filled (build_suite reads the files then)."""
+    from lit_transformer.data.sources.files import resolve_files
+
+    for entry in entries:
+        for key in ("files", "train_files", "target_files"):
+            if getattr(entry, key):
+                resolve_files(getattr(entry, key), f"eval {entry.name}: {key}")
+
+
+def _accumulation_for(ckpt: Path, trainer: Any, datas: list, mixture: bool) -> int:
     """Step 5: the trainer.accumulate_grad_batches that keeps the global batch `ckpt` was trained
     with on this run's ranks (checkpoints.accumulate_for: changed only where the recipe left it
     as saved; one line says so, and config.yaml records it), else a RunError."""
@@ -193,20 +212,17 @@ def _keep_global_batch(cfg: RunConfig, ckpt: Path) -> RunConfig:
     from lit_transformer.training.preflight import processes_per_node
 
     state = saved_data_state(checkpoint_meta(ckpt))
+    asked = trainer.accumulate_grad_batches
     if state is None:
-        return cfg
-    t = cfg.trainer
-    datas = [task_data(cfg, task) for task in cfg.tasks] if cfg.tasks else [cfg.data]
+        return asked
     # a mixture's samplers take data.batch_size examples; one data kind's, a batch under batch_tokens
-    units = [d.batch_size if cfg.tasks or d.batch_tokens is None else 1 for d in datas]
-    world = processes_per_node(t) * t.num_nodes
-    accumulate = accumulate_for(state, world_size=world, units=units, accumulate=t.accumulate_grad_batches, path=ckpt)
-    if accumulate == t.accumulate_grad_batches:
-        return cfg
-    if is_main_process():
+    units = [d.batch_size if mixture or d.batch_tokens is None else 1 for d in datas]
+    world = processes_per_node(trainer) * trainer.num_nodes
+    accumulate = accumulate_for(state, world_size=world, units=units, accumulate=asked, path=ckpt)
+    if accumulate != asked and is_main_process():
         print(
-            f"resume: trainer.accumulate_grad_batches={accumulate} (was {t.accumulate_grad_batches}) keeps the "
+            f"resume: trainer.accumulate_grad_batches={accumulate} (was {asked}) keeps the "
             f"global batch of {ckpt} on {world} rank(s)",
             file=sys.stderr,
         )
-    return _replace(cfg, trainer={"accumulate_grad_batches": accumulate})
+    return accumulate

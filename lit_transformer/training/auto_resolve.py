@@ -9,6 +9,9 @@ recorded instead: a new measurement could size another model than the checkpoint
 Processes of one run must agree: the process that starts the others (Lightning's launcher)
 passes its values on in an environment variable; processes started all at once (torchrun,
 srun) with a time budget to measure are refused, with the command that resolves once.
+
+No torch at import (the resolver asks every recipe here, `--print-config` included): the probe,
+the process checks and the launcher's count import it when a recipe has `auto` values.
 """
 
 from __future__ import annotations
@@ -28,8 +31,6 @@ from lit_transformer.recipe import auto_rules
 from lit_transformer.recipe.load import load_recipe
 from lit_transformer.recipe.model_section import stand_in_model
 from lit_transformer.recipe.schema import RunConfig, TrainerConfig
-from lit_transformer.training import preflight
-from lit_transformer.training.distributed import is_main_process
 
 ENV = "LIT_TRANSFORMER_AUTO"  # the resolved values, as JSON, for the processes a launcher starts
 PROBE_SECONDS = 1.5  # timed steps of the speed probe (after one untimed step)
@@ -57,6 +58,7 @@ def measure_flops_per_second(model: TransformerConfig, trainer: TrainerConfig, d
     import torch.nn.functional as F
 
     from lit_transformer.model.language_model import LanguageModel
+    from lit_transformer.training import preflight
 
     batch = data.batch_size if data.batch_size != AUTO else auto_rules.STAND_IN["batch_size"]
     block = data.block_size
@@ -94,33 +96,57 @@ def measure_flops_per_second(model: TransformerConfig, trainer: TrainerConfig, d
 Measure = Callable[[TransformerConfig, TrainerConfig, DataConfig], float]
 
 
-def auto_values(cfg: RunConfig, keys: list[str], *, measure: Measure | None = None, quiet: bool = False) -> dict:
-    """The plain value of each `auto` key of `cfg` (auto_rules.auto_keys): model.size as the shape's
-    fields. `measure` gives one process's training FLOP/s for a model (default
+def auto_values(cfg: RunConfig, *, measure: Measure | None = None, quiet: bool = False) -> dict:
+    """The plain value of each `auto` key of `cfg` (auto_rules.auto_keys; none: {}), model.size as
+    the shape's fields. `measure` gives one process's training FLOP/s for a model (default
     measure_flops_per_second; tests pass a fixed speed)."""
+    trainer, data, run_dir = cfg.trainer, cfg.data, cfg.run.dir
     measure = measure or measure_flops_per_second
-    saved = _saved_values(cfg, keys)
+
+    def measured_here(keys: list[str]) -> dict:
+        """This process measures the speed and applies the rules (one pass: auto_rules.resolve)."""
+        world = preflight.processes_per_node(trainer) * trainer.num_nodes
+        corpus = corpus_bytes(data)
+
+        def speed(model: TransformerConfig) -> float:
+            return measure(model, trainer, data)
+
+        timed = speed if trainer.max_time is not None else None
+        resolved = auto_rules.resolve(cfg, base, corpus, world, timed)
+        if not quiet and is_main_process():
+            print(f"{resolved.summary()}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
+        return resolved.values
+
+    # the model the rules size from, before the keys: the rules then run in one pass (a recipe
+    # without `auto` values describes its model already; its stand-in is that model)
+    base = stand_in_model(cfg)
+    keys = auto_rules.auto_keys(cfg)
+    if not keys:
+        return {}
+    from lit_transformer.training import preflight  # torch: only for a recipe with `auto` values
+    from lit_transformer.training.distributed import is_main_process
+
+    saved = _saved_values(Path(run_dir), cfg.resume, keys)
     inherited = json.loads(os.environ.get(ENV, "{}"))
     if saved is not None:
-        values = saved
-    elif not is_main_process() and inherited.get("run_dir") == cfg.run.dir:
-        values = inherited["values"]
-    elif _joined_group():
-        values = _resolved_on_rank_zero(cfg, keys, measure, quiet)
-    elif cfg.trainer.max_time is not None and _started_together():
+        return saved
+    if not is_main_process() and inherited.get("run_dir") == run_dir:
+        return inherited["values"]
+    if _joined_group():
+        return _resolved_on_rank_zero(measured_here, keys)
+    if trainer.max_time is not None and _started_together():
         raise RecipeError(
             f"{keys[0]}=auto measures this machine's speed, and every process of a torchrun or srun job would "
             "measure its own: resolve once with `lit-transformer pretrain RECIPE --print-config > resolved.yaml` "
             "and start the job on resolved.yaml"
         )
-    else:
-        values = _resolve_values(cfg, keys, measure, quiet)
-        # the processes Lightning starts for this run (they are not the main process) take these
-        os.environ[ENV] = json.dumps({"run_dir": cfg.run.dir, "values": values})
+    values = measured_here(keys)
+    # the processes Lightning starts for this run (they are not the main process) take these
+    os.environ[ENV] = json.dumps({"run_dir": run_dir, "values": values})
     return values
 
 
-def _resolved_on_rank_zero(cfg: RunConfig, keys: list[str], measure: Measure, quiet: bool) -> dict:
+def _resolved_on_rank_zero(resolve: Callable[[list[str]], dict], keys: list[str]) -> dict:
     """A later run of a job whose ranks are already started (a script or sweep that trains
     again): the launcher passed no values for it, so rank 0 resolves and the others take its
     values (or its error), where each measuring its own speed could size another model."""
@@ -129,7 +155,7 @@ def _resolved_on_rank_zero(cfg: RunConfig, keys: list[str], measure: Measure, qu
     outcome: list = [None]
     if dist.get_rank() == 0:
         try:
-            outcome = [_resolve_values(cfg, keys, measure, quiet)]
+            outcome = [resolve(keys)]
         except Exception as error:  # the other ranks wait on the broadcast: they raise it too
             outcome = [error]
     dist.broadcast_object_list(outcome, src=0)
@@ -138,27 +164,12 @@ def _resolved_on_rank_zero(cfg: RunConfig, keys: list[str], measure: Measure, qu
     return outcome[0]
 
 
-def _resolve_values(cfg: RunConfig, keys: list[str], measure: Measure, quiet: bool) -> dict:
-    """The plain value of each `auto` key: measured and chosen on this process."""
-    world = preflight.processes_per_node(cfg.trainer) * cfg.trainer.num_nodes
-    corpus = corpus_bytes(cfg.data)
-    trainer, data = cfg.trainer, cfg.data
-
-    def speed(model: TransformerConfig) -> float:
-        return measure(model, trainer, data)
-
-    resolved = auto_rules.resolve(
-        cfg, stand_in_model(cfg), corpus, world, speed if cfg.trainer.max_time is not None else None
-    )
-    if not quiet and is_main_process():
-        print(f"{resolved.summary()}; from {corpus / 1e6:.2f} MB of training text", file=sys.stderr)
-    return resolved.values
-
-
-def _saved_values(cfg: RunConfig, keys: list[str]) -> dict | None:
+def _saved_values(run_dir: Path, resume: str | None, keys: list[str]) -> dict | None:
     """What a resumed run's config.yaml recorded for the `auto` keys; None when not resuming."""
-    saved = Path(cfg.run.dir) / "config.yaml"
-    if cfg.resume is None or not saved.is_file():
+    from lit_transformer.training.distributed import is_main_process
+
+    saved = run_dir / "config.yaml"
+    if resume is None or not saved.is_file():
         return None
     old = load_recipe(saved)
     values: dict = {}

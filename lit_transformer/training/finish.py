@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_transformer.recipe.schema import RunConfig
-from lit_transformer.recipe.tasks import task_data
+from lit_transformer.recipe.tasks import task_datas
 from lit_transformer.training.averaging import last_checkpoints, load_average, record_average, write_average
 from lit_transformer.training.callbacks import time_budget_spent
 from lit_transformer.training.distributed import is_sharded
@@ -23,7 +23,7 @@ from lit_transformer.training.final_model import consolidated, save_final
 
 def names_test_files(cfg: RunConfig) -> bool:
     """Whether the recipe names a test split (data.test_files, or a task's)."""
-    return any(data.test_files for data in ([task_data(cfg, t) for t in cfg.tasks] if cfg.tasks else [cfg.data]))
+    return any(data.test_files for data in task_datas(cfg))
 
 
 def finish(

@@ -248,13 +248,13 @@ def test_generate_input_jsonl_column_and_bad_inputs(tiny_runs, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_prompt_longer_than_the_context_continues_its_tail(tiny_runs, capsys):
-    from lit_transformer.commands.inference import batch_generator
+    from lit_transformer.commands.inference import text_generator
     from lit_transformer.evaluation.batch_generate import BatchGenerator, Decoding
     from lit_transformer.evaluation.prompts import complete, encode_prompt
 
     run = str(tiny_runs["tiny-clm"])
     text = " ".join(f"value_{i} = read(path, {i})" for i in range(40))  # far more than 32 tokens
-    generate_text: BatchGenerator = batch_generator(run, Decoding(max_new_tokens=8))
+    generate_text: BatchGenerator = text_generator(run, Decoding(max_new_tokens=8))
     (got,) = generate_text([text])
     err = capsys.readouterr().err
     ids = encode_prompt(text, generate_text.tokenizer, generate_text.special, "continue")

@@ -33,6 +33,12 @@ REFUSALS = [
         ["trainer.accelerator=cpu", "trainer.devices=1"],
     ),
     (
+        "eval files",
+        ["eval=[{name: held, kind: heldout, files: [/nonexistent/held.txt]}]"],
+        "eval held: files: no such file or directory",
+        ["eval=[{name: held, kind: heldout, split: validation}]"],
+    ),
+    (
         "option conflict",
         ["data.document_mask=true", "model.attention_kind=linear"],
         "data.document_mask=true needs model.attention_kind='softmax'",

@@ -303,11 +303,6 @@ class MixtureDataModule(RankedDataModule):
         return self._tokenizer
 
     @property
-    def tokenizer_path(self) -> str | None:
-        """The one tokenizer.json every task's TextDataModule loads."""
-        return self._tokenizer_path
-
-    @property
     def special_tokens(self) -> SpecialTokens:
         return SpecialTokens.from_tokenizer(self.tokenizer)
 
