@@ -216,7 +216,7 @@ def test_cli_plot_writes_the_image_and_errors_are_one_line(two_runs, tmp_path, c
 
 def fake_suite(monkeypatch, evaluate_suite) -> None:
     """cli imports commands.evaluate when it dispatches: a stand-in module, so that nothing loads."""
-    fake = types.SimpleNamespace(evaluate_suite=evaluate_suite, Decoding=dict)
+    fake = types.SimpleNamespace(evaluate_suite=evaluate_suite, EvaluateDecoding=dict)
     monkeypatch.setitem(sys.modules, "lit_transformer.commands.evaluate", fake)
 
 
