@@ -45,8 +45,6 @@ from lit_transformer.recipe.model_section import (
 from lit_transformer.recipe.schema import RunConfig
 from lit_transformer.recipe.tasks import data_plan, task_datas, trains_bidirectional_mode
 
-TOKENIZER_JSON = "tokenizer.json"  # training/rundir.py's name, which imports torch: the run's own tokenizer
-
 
 @dataclass(frozen=True)
 class ResolvedRun:
@@ -66,7 +64,9 @@ class ResolvedRun:
     @property
     def evaluation_config(self) -> RunConfig:
         """The config the named evaluations read: the run's own tokenizer, which the data module
-        writes into the run directory."""
+        writes into the run directory (asked in training only: rundir imports torch)."""
+        from lit_transformer.training.rundir import TOKENIZER_JSON
+
         return _replace(self.config, tokenizer={"path": str(self.run_dir / TOKENIZER_JSON)})
 
 
