@@ -69,9 +69,9 @@ def check_families(ctx: Context) -> dict:
 
 # ----------------------------------------------------------------------------- flex attention
 def check_flex_attention(ctx: Context) -> dict:
-    from lit_transformer.model.transformer import _has_flex
+    from lit_transformer.model.masks import has_flex
 
-    if not _has_flex():
+    if not has_flex():
         return {"status": "skip", "detail": f"torch {torch.__version__} has no flex_attention (2.5+)"}
     B, T = 2, (128 if ctx.quick else 256)
     cases = flex_masks(B, T, ctx.device)

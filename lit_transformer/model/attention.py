@@ -6,7 +6,7 @@ attention, linear_attention.LinearAttention overrides `self_attention` with the 
 form. The cache kind dispatches through the cache (`KVCache.record` and `update`, overridden
 by RollingKVCache), so a layer's forward asks no object its type except the softmax mask: a
 dense bias or a masks.IntervalMask, which can differ from call to call (packed rows carry
-document ids).
+document ids), or the groups of a mixture's attention modes.
 
 Shape legend: B batch, T query length, S key length, H query heads, K key/value heads,
 D head dim, C model width, L layers, M cache capacity.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lit_transformer.model.layers import RMSNorm
-from lit_transformer.model.masks import IntervalMask, masked_attention, masked_value
+from lit_transformer.model.masks import IntervalMask, ModeGroups, masked_attention, masked_value
 from lit_transformer.model.positions import apply_rope
 
 
@@ -356,9 +356,18 @@ class Attention(nn.Module):
         return self.softmax_attention(q, k, v, mask, is_causal=is_causal)
 
     def softmax_attention(self, q, k, v, mask, *, is_causal: bool) -> torch.Tensor:
-        """q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D); `mask` an additive bias, None or
-        a masks.IntervalMask."""
+        """q (B, H, T, D), k and v (B, K, S, D) -> (B, H, T, D); `mask` an additive bias, None,
+        a masks.IntervalMask, or masks.ModeGroups (a mixture's rows, each mode on its own path)."""
         dropout = self.dropout if self.training else 0.0
+        if isinstance(mask, ModeGroups):
+            return mask.attend(
+                lambda q, k, v, bias, causal: attend(
+                    q, k, v, bias, is_causal=causal, scale=self.scale, dropout=dropout, impl=self.impl
+                ),
+                q,
+                k,
+                v,
+            )
         if isinstance(mask, IntervalMask):  # sliding window, global tokens, documents
             if self.impl == "sdpa":
                 return masked_attention(q, k, v, mask, scale=self.scale, dropout=dropout)

@@ -216,6 +216,15 @@ def flex_block_mask(mask: IntervalMask, batch: int):
     return create_block_mask(mask_mod, B, None, T, S, device=lo.device)
 
 
+def has_flex() -> bool:
+    """Whether this torch has flex_attention (the block masks above need it)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+    except ImportError:
+        return False
+    return True
+
+
 def masks_nothing(mask: torch.Tensor | None, cache: object | None) -> bool:
     """Whether a padding mask masks nothing (packed batches: the collators always send one), so
     that attention can take SDPA's fused path without a bias tensor, causal blocks skipped,
@@ -238,3 +247,99 @@ def padding_bias(key_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, S) bool -> additive (B, 1, 1, S)."""
     bias = torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device)
     return bias.masked_fill(~key_mask, masked_value(dtype))[:, None, None, :]
+
+
+# ----------------------------------------------------------------------------- attention modes
+# A decoder trained on a mixture (UniLM, Dong et al. 2019; GPT-BERT, Charpentier and Samuel
+# 2024) reads each row in its own mode: causal, bidirectional, or a bidirectional prefix followed
+# by causal text (Stack.forward's prefix_lengths). One dense (B, 1, T, S) bias for the batch
+# would take every row off SDPA's fused kernels (on CUDA the flash kernel takes no bias at all),
+# so the rows are grouped by mode and each group runs on its mode's path: causal rows with
+# `is_causal` and no bias, bidirectional rows with no mask at all, and only prefix rows (and
+# rows with padded keys) with a bias of their own rows.
+CAUSAL, FULL, PREFIX = "causal", "full", "prefix"
+
+
+def row_mode(prefix: int, n_keys: int) -> str:
+    """A row's attention mode from its prefix length: 0 or 1 sees what causal attention sees
+    (key 0 is visible to every query anyway), n_keys or more sees every key."""
+    if prefix <= 1:
+        return CAUSAL
+    return FULL if prefix >= n_keys else PREFIX
+
+
+@dataclass(frozen=True)
+class ModeGroup:
+    """The rows of one mode (a slice when they are contiguous, else (Bg,) long) and how they
+    attend: SDPA's causal kernel (`causal`), or `bias` (Bg, 1, T|1, S), or no mask at all."""
+
+    rows: slice | torch.Tensor
+    causal: bool
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ModeGroups:
+    """A batch's rows grouped by attention mode (see above). `order` (B,): batch row i is row
+    order[i] of the groups' outputs concatenated; None when that is already batch order (a row-
+    mixed batch stacks each task's rows together, so it usually is)."""
+
+    groups: tuple[ModeGroup, ...]
+    order: torch.Tensor | None
+
+    def attend(self, attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attention(q, k, v, bias, is_causal)` per group; q (B, H, T, D), k and v (B, K, S, D)
+        -> (B, H, T, D)."""
+        outputs = [attention(q[g.rows], k[g.rows], v[g.rows], g.bias, g.causal) for g in self.groups]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # (B, H, T, D) in group order
+        return out if self.order is None else out.index_select(0, self.order)
+
+
+def mode_groups(
+    prefix_lengths: torch.Tensor, key_mask: torch.Tensor | None, n_queries: int, dtype: torch.dtype, device
+) -> ModeGroups:
+    """Group the rows of a batch without a cache (queries 0..T-1 over keys 0..T-1) by mode.
+    prefix_lengths (B,), best on the CPU (read once on the host); key_mask (B, T) bool or None.
+    Each group's bias, where it needs one, keeps exactly what Stack's dense bias keeps for its rows."""
+    modes = [row_mode(p, n_queries) for p in prefix_lengths.tolist()]
+    rows_of: dict[str, list[int]] = {}
+    for row, mode in enumerate(modes):
+        rows_of.setdefault(mode, []).append(row)  # groups in order of their first row
+    groups, concatenated = [], []
+    for mode, rows in rows_of.items():
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=device)
+        keys = None if key_mask is None else key_mask[index]  # (Bg, S)
+        if mode == FULL:
+            bias = None if keys is None else padding_bias(keys, dtype)  # (Bg, 1, 1, S)
+            groups.append(ModeGroup(index, causal=False, bias=bias))
+        elif mode == CAUSAL and keys is None:
+            groups.append(ModeGroup(index, causal=True, bias=None))
+        else:
+            k_index = torch.arange(n_queries, device=device)  # (S,)
+            keep = (k_index[None, :] <= k_index[:, None])[None, None]  # (1, 1, T, S)
+            if mode == PREFIX:
+                prefix = prefix_lengths[rows].to(device)  # (Bg,)
+                keep = keep | (k_index[None, :] < prefix[:, None])[:, None, None, :]  # (Bg, 1, T, S)
+            if keys is not None:
+                keep = keep & keys[:, None, None, :]
+            bias = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, masked_value(dtype))
+            groups.append(ModeGroup(index, causal=False, bias=bias))
+        concatenated += rows
+    order = None
+    if concatenated != sorted(concatenated):
+        order = torch.tensor(concatenated, device=device).argsort()  # (B,)
+    return ModeGroups(tuple(groups), order)
+
+
+def refuse_prefix(arch: str) -> None:
+    """Attention modes exist for one stack that is causal by default: a decoder-only model."""
+    if arch == "encoder":
+        raise ValueError(
+            "prefix_lengths (attention modes) are for decoder-only models: an encoder is already bidirectional"
+        )
+    if arch == "encoder_decoder":
+        raise ValueError(
+            "prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
+            "encoder is already bidirectional and its decoder stays causal"
+        )

@@ -19,10 +19,13 @@ from lit_transformer.model.masks import (
     batch_shared,
     document_positions,
     flex_block_mask,
+    has_flex,
     interval_mask,
     masked_value,
     masks_nothing,
+    mode_groups,
     padding_bias,
+    refuse_prefix,
 )
 from lit_transformer.model.positions import RelativePositionBias, alibi_bias, rope_cos_sin, sinusoidal
 
@@ -162,6 +165,7 @@ class Stack(nn.Module):
         prefix LM, Raffel et al. 2020): the query at key index q sees key j iff j <= q or
         j < prefix_lengths[b], in key (cache) coordinates. 0 is causal, >= T bidirectional."""
         B, T = input_ids.shape
+        row_prefixes = prefix_lengths  # where the collator made them (the CPU): grouped without a device sync
         if prefix_lengths is not None:
             self._check_prefix(prefix_lengths, B, document_ids, cache)
             prefix_lengths = prefix_lengths.to(input_ids.device)
@@ -183,6 +187,9 @@ class Stack(nn.Module):
         dtype = compute_dtype(x)
         if self._structured(document_ids, cache):
             bias, is_causal = self._structured_bias(attention_mask, position_ids, document_ids, cache, dtype), False
+        elif self._groups_modes(row_prefixes, cache):
+            key_mask = None if masks_nothing(attention_mask, cache) else attention_mask.bool()
+            bias, is_causal = mode_groups(row_prefixes, key_mask, T, dtype, x.device), False
         else:
             bias, is_causal, _ = self._self_bias(attention_mask, position_ids, cache, dtype, prefix_lengths)
         rope = None
@@ -227,6 +234,19 @@ class Stack(nn.Module):
                 f"prefix_lengths must be integers of shape ({B},), one per row; got "
                 f"{prefix_lengths.dtype} of shape {tuple(prefix_lengths.shape)}"
             )
+
+    def _groups_modes(self, prefix_lengths, cache) -> bool:
+        """Whether a mixture's rows run grouped by attention mode (masks.mode_groups), each mode on
+        its fused path: without a cache (decoding's one-token steps gain nothing), without a
+        position bias (ALiBi's and T5's are dense per head anyway) and not while compiling (the
+        grouping reads the modes on the host)."""
+        return (
+            prefix_lengths is not None
+            and cache is None
+            and self.relative_bias is None
+            and self.cfg.position != "alibi"
+            and not torch.compiler.is_compiling()
+        )
 
     def _structured(self, document_ids, cache) -> bool:
         """Whether self-attention needs more than padding, causality and a position bias: the
@@ -280,7 +300,7 @@ class Stack(nn.Module):
             else:
                 position_bias = alibi_bias(q_positions, k_positions, cfg.n_heads)
             return mask.dense_bias(dtype) + position_bias.to(dtype)
-        if device.type == "cuda" and key_index is None and T >= 128 and _has_flex():
+        if device.type == "cuda" and key_index is None and T >= 128 and has_flex():
             mask.block_mask = flex_block_mask(mask, B)  # used where the blocks run compiled (masks.py)
         return mask
 
@@ -343,27 +363,6 @@ class Stack(nn.Module):
         return bias, False, k_positions
 
 
-def _has_flex() -> bool:
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
-    except ImportError:
-        return False
-    return True
-
-
-def _refuse_prefix(arch: str) -> None:
-    """Attention modes exist for one stack that is causal by default: a decoder-only model."""
-    if arch == "encoder":
-        raise ValueError(
-            "prefix_lengths (attention modes) are for decoder-only models: an encoder is already bidirectional"
-        )
-    if arch == "encoder_decoder":
-        raise ValueError(
-            "prefix_lengths (attention modes) are for decoder-only models: an encoder-decoder's "
-            "encoder is already bidirectional and its decoder stays causal"
-        )
-
-
 class Transformer(nn.Module):
     """The shared core. Encoder and decoder-only models use one stack; encoder-decoder models
     use two that share the token embedding (Vaswani et al. 2017, 3.4; T5)."""
@@ -410,7 +409,7 @@ class Transformer(nn.Module):
         if self.config.arch == "encoder_decoder" and memory is None:
             raise ValueError("an encoder_decoder model's decoder needs the encoder output (memory)")
         if prefix_lengths is not None:
-            _refuse_prefix(self.config.arch)
+            refuse_prefix(self.config.arch)
         return self.decoder(
             input_ids,
             attention_mask,
@@ -440,7 +439,7 @@ class Transformer(nn.Module):
         prefix_lengths (B,): per-row attention modes of a decoder-only model (Stack.forward)."""
         arch = self.config.arch
         if prefix_lengths is not None:
-            _refuse_prefix(arch)
+            refuse_prefix(arch)
         if arch == "encoder":
             return self.encode(
                 input_ids,

@@ -163,6 +163,14 @@ def check_fits(cfg: RunConfig, model: TransformerConfig, source: str) -> None:
             f"{source}: data.document_mask=true needs model.attention_kind='softmax' "
             "(linear attention's running sums cross document boundaries)"
         )
+    moded = [t for t in cfg.tasks if model.arch == "decoder" and t.objective in tasks.MODE_OBJECTIVES]
+    efficient = "model.sliding_window is set" if model.sliding_window is not None else None
+    efficient = "model.attention_kind='linear'" if model.attention_kind == "linear" else efficient
+    if moded and efficient:
+        raise RecipeError(
+            f"{source}: tasks.{moded[0].name}.objective={moded[0].objective} reads decoder rows with a "
+            f"bidirectional part (attention modes), which needs full softmax attention; {efficient}"
+        )
     if cfg.optim.optimizer == "muon" and cfg.trainer.strategy == "fsdp":
         # Muon orthogonalises the update of a whole matrix (Newton-Schulz); FSDP2 holds shards
         raise RecipeError(

@@ -87,6 +87,9 @@ _OBJECTIVE_PARAMETERS = (
 # task keys of one objective's own, with no data key behind them
 _TASK_PARAMETERS = ("mask_rate_start", "mask_rate_end", "max_span_length")
 MAX_SPAN_LENGTH = 3  # mntp's default (GPT-BERT's SpanMaskingStrategy)
+# task objectives whose rows on a decoder carry attention modes (Stack.forward's prefix_lengths:
+# a bidirectional prefix, or the whole row), which need full softmax attention
+MODE_OBJECTIVES = ("mlm", "mntp", "prefix_lm")
 # mixture.mixing=row: the task objectives whose rows stack in one batch, by model.arch
 ROW_MIXING = {"decoder": ("clm", "mlm", "mntp", "prefix_lm")}
 

@@ -93,3 +93,16 @@ def test_the_hybrid_recipe_plans_its_schedule(tmp_path):
     (task,) = data_plan(load_recipe(path)).tasks
     assert (task.mask_rate_start, task.mask_rate_end, task.data.mask_replace_prob) == (0.2, 0.2, 0.5)
     assert task.data.random_replace_prob == 0.1
+
+
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [("model.sliding_window=16", "model.sliding_window is set"), ("model.attention_kind=linear", "attention_kind")],
+)
+def test_attention_modes_need_full_softmax_attention(tmp_path, override, why):
+    """Rows with a bidirectional part cannot ride a sliding window or linear attention: refused
+    when the recipe is read, not at the first batch."""
+    message = refusal(tmp_path, "tiny-gptbert", "", override)
+    assert "tasks.mntp.objective=mntp reads decoder rows with a bidirectional part" in message
+    assert why in message
+    load_recipe(RECIPES / "tiny-clm.yaml", [override])  # a causal model alone takes either
