@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from lit_transformer.data.data_config import CAPS, DataConfig
+from lit_transformer.data.data_plan import DataPlan
 from lit_transformer.errors import RunError, closest
 from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.evaluation.masked_scoring import masked_tasks, pseudo_loglikelihoods, resolve_scoring
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.schema import RunConfig
+from lit_transformer.recipe.tasks import data_plan
 from lit_transformer.training.rundir import LABELS_JSON
 
 # what evaluate and heldout report for the names the objectives log under val/ and test/
@@ -51,12 +53,14 @@ EVALUATE_NAMES = {
 }
 
 
-def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
-    """The run's config whose validation split is the entry's set, whole (none of the run's caps),
-    from the token cache (not streamed). A mixture's tasks lose their own source keys, so every
-    task reads the entry's set. The run's config itself for an entry of the run's own split."""
+def heldout_plan(entry: EvalConfig, cfg: RunConfig) -> DataPlan:
+    """What the run of `cfg` reads (recipe.tasks.data_plan), with the entry's set as its validation
+    split, whole (none of the run's caps), from the token cache (not streamed). A mixture's tasks
+    take every source key from that set too, so each task reads it. The run's own plan for an
+    entry of the run's own split. The run's config is not changed: only the plan's data sections."""
+    plan = data_plan(cfg)
     if entry.split is not None:
-        return cfg
+        return plan
     changes: dict[str, Any] = {key: None for key in ("hub_name", *CAPS)}
     changes.update({key: [] for key in DataConfig.FILE_KEYS})  # train_files and val_files: below
     changes.update(streaming=False)
@@ -70,12 +74,12 @@ def heldout_config(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
         if getattr(entry, key) is not None:
             changes[key] = getattr(entry, key)
     try:
-        data = dataclasses.replace(cfg.data, **changes)
+        data = dataclasses.replace(plan.data, **changes)
     except ValueError as error:  # DataConfig's own checks (a format it does not know)
         raise RunError(f"eval.{entry.name}: {error}") from None
-    cleared = {k: None for k in (*DataConfig.SOURCE_KEYS, "format", "text_format", "text_column")}
-    tasks = [dataclasses.replace(t, data=dataclasses.replace(t.data, **cleared)) for t in cfg.tasks]
-    return dataclasses.replace(cfg, data=data, tasks=tasks)
+    sources = {k: getattr(data, k) for k in (*DataConfig.SOURCE_KEYS, "format", "text_format", "text_column")}
+    tasks = tuple(dataclasses.replace(t, data=dataclasses.replace(t.data, **sources)) for t in plan.tasks)
+    return dataclasses.replace(plan, data=data, tasks=tasks)
 
 
 def trained_label_names(cfg: RunConfig) -> list | None:
@@ -87,8 +91,8 @@ def trained_label_names(cfg: RunConfig) -> list | None:
     return json.loads(path.read_text()).get("labels") if path.is_file() else None
 
 
-def _checked(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
-    """heldout_config(entry, cfg) after the checks every heldout entry gets: the tokenizer, the task."""
+def _checked(entry: EvalConfig, cfg: RunConfig) -> DataPlan:
+    """heldout_plan(entry, cfg) after the checks every heldout entry gets: the tokenizer, the task."""
     where = f"eval.{entry.name}"
     if cfg.tokenizer.path is None:
         raise RunError(f"{where}: heldout reads the run's tokenizer.json; tokenizer.path is not set")
@@ -97,7 +101,7 @@ def _checked(entry: EvalConfig, cfg: RunConfig) -> RunConfig:
         raise RunError(f"{where}.task={entry.task}: a {cfg.objective.name} run is one objective, not a mixture")
     if entry.task is not None and entry.task not in names:
         raise RunError(f"{where}.task={entry.task}: the mixture's tasks are {names}{closest(entry.task, names)}")
-    return heldout_config(entry, cfg)
+    return heldout_plan(entry, cfg)
 
 
 def _read(entry: EvalConfig, data_format: str, read: Callable[[], Any]) -> Any:
@@ -126,21 +130,20 @@ class Heldout:
 
     def __init__(self, entry: EvalConfig, cfg: RunConfig):
         from lit_transformer.data.modules.split_reader import read_split
-        from lit_transformer.recipe.tasks import data_plan
 
         self.entry = entry
         self.split = entry.split or "validation"
-        self.cfg = _checked(entry, cfg)
+        plan = _checked(entry, cfg)
         # the model's labels: the run's own split is numbered by them, as training numbered it
-        self.labels = trained_label_names(self.cfg)
+        self.labels = trained_label_names(cfg)
         # Every rank reads the whole set as one process would (the reader knows no ranks): left to
         # torch.distributed, each rank took every other row and max_examples rows of its own. The
         # objective's metrics still sum over the ranks: identical sums leave their ratios unchanged.
         self.data = _read(
             entry,
-            self.cfg.data.format,
+            plan.data.format,
             lambda: read_split(
-                data_plan(self.cfg),
+                plan,
                 self.split,
                 label_names=self.labels if entry.split is not None else None,
                 max_examples=entry.max_examples,
@@ -172,23 +175,22 @@ class MaskedHeldout:
 
     def __init__(self, entry: EvalConfig, cfg: RunConfig):
         from lit_transformer.data.modules.split_reader import SplitReader
-        from lit_transformer.recipe.tasks import task_data
 
         self.entry = entry
-        self.cfg = _checked(entry, cfg)
+        plan = _checked(entry, cfg)
         self.read = resolve_scoring(entry, cfg.model.arch, cfg).read
-        task = masked_tasks(self.cfg) if entry.task is None else [t for t in self.cfg.tasks if t.name == entry.task]
-        data = task_data(self.cfg, task[0]) if task else self.cfg.data
+        task = masked_tasks(cfg) if entry.task is None else [t for t in cfg.tasks if t.name == entry.task]
+        data = next(t.data for t in plan.tasks if t.name == task[0].name) if task else plan.data
         self.mode_token = task[0].mode_token if task else None
         self.rows = data.eval_batch_size or data.batch_size
         # masked LM's blocks (T tokens, stride T: pack.py), handed over as they are stored: the
         # collator's masking is this evaluation's to do, one token a row
-        seed = self.cfg.trainer.seed
+        seed = cfg.trainer.seed
         self.data = _read(
             entry,
             data.format,
             lambda: SplitReader(
-                data, self.cfg.tokenizer, "mlm", entry.split or "validation", seed=seed, max_examples=entry.max_examples
+                data, cfg.tokenizer, "mlm", entry.split or "validation", seed=seed, max_examples=entry.max_examples
             ),
         )
         self.data.collator = lambda blocks, generators=None: [[int(t) for t in block] for block in blocks]

@@ -4,6 +4,7 @@ training as it found it (RNG streams, train mode) and honours every_n_steps."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -26,6 +27,7 @@ from lit_transformer.evaluation.eval_target import EvalTarget
 from lit_transformer.evaluation.suite import due, run_suite
 from lit_transformer.recipe.eval_schema import EvalConfig
 from lit_transformer.recipe.load import load_recipe
+from lit_transformer.recipe.tasks import data_plan
 from lit_transformer.run.loading import load_for_evaluation, resolve_source
 from lit_transformer.run.resolve import evaluation_run
 
@@ -98,9 +100,10 @@ def tokenised(monkeypatch) -> list[str]:
     return written
 
 
-def test_heldout_config_replaces_every_source_key(tmp_path):
+def test_heldout_plan_replaces_every_source_key(tmp_path):
     """A heldout file set is read whole and alone: the run's file lists, hub, caps and streaming
-    give way to the entry's files, and a mixture task keeps none of DataConfig.SOURCE_KEYS."""
+    give way to the entry's files, and every mixture task reads the entry's set (none of its own
+    DataConfig.SOURCE_KEYS), keeping its other settings; the run's config is left as it was."""
     assert set(DataConfig.SOURCE_KEYS) <= {f.name for f in dataclasses.fields(DataConfig)}
     cfg = load_recipe(RECIPES / "tiny-unilm.yaml", [f"run.dir={tmp_path / 'run'}"])
     own = {key: ["own.txt"] for key in DataConfig.FILE_KEYS}
@@ -109,18 +112,23 @@ def test_heldout_config_replaces_every_source_key(tmp_path):
     per_task = {**own, **caps, "hub_name": "hub", "streaming": True, "num_workers": 1}
     assert set(per_task) == set(DataConfig.SOURCE_KEYS)
     tasks = [dataclasses.replace(t, data=dataclasses.replace(t.data, **per_task)) for t in cfg.tasks]
+    tasks[0] = dataclasses.replace(tasks[0], data=dataclasses.replace(tasks[0].data, mlm_probability=0.2))
     cfg = dataclasses.replace(cfg, data=data, tasks=tasks)
+    before = copy.deepcopy(cfg)
     entry = EvalConfig(name="held", kind="heldout", files=["held.txt"])
-    out = heldout.heldout_config(entry, cfg).data
+    plan = heldout.heldout_plan(entry, cfg)
+    out = plan.data
     assert out.train_files == out.val_files == ["held.txt"]  # the training side is never read
     assert all(getattr(out, key) == [] for key in DataConfig.FILE_KEYS if key not in ("train_files", "val_files"))
     assert out.hub_name is None and not out.streaming and all(getattr(out, key) is None for key in CAPS)
-    for task in heldout.heldout_config(entry, cfg).tasks:
-        assert all(getattr(task.data, key) is None for key in DataConfig.SOURCE_KEYS), task.name
-    pairs = heldout.heldout_config(dataclasses.replace(entry, target_files=["held.tgt"]), cfg).data
+    for task in plan.tasks:
+        assert all(getattr(task.data, key) == getattr(out, key) for key in DataConfig.SOURCE_KEYS), task.name
+    assert plan.tasks[0].data.mlm_probability == 0.2  # the task's own settings stay
+    assert cfg == before
+    pairs = heldout.heldout_plan(dataclasses.replace(entry, target_files=["held.tgt"]), cfg).data
     assert (pairs.train_files, pairs.val_source_files, pairs.val_target_files) == ([], ["held.txt"], ["held.tgt"])
     own_split = dataclasses.replace(entry, files=[], split="validation")
-    assert heldout.heldout_config(own_split, cfg) is cfg
+    assert heldout.heldout_plan(own_split, cfg) == data_plan(cfg)
 
 
 @pytest.mark.slow
