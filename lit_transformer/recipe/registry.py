@@ -87,7 +87,9 @@ SPECS: dict[str, ObjectiveSpec] = {
             precision="32-true",
         ),
         # a recipe with `tasks:` (recipe/tasks.py): its tasks' data kinds and lengths are checked per task; a
-        # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq)
+        # decoder continues text, an encoder-decoder transforms a source (UL2's S-denoiser, seq2seq).
+        # bf16 autocast as every task objective it mixes: in float32 a mixture ran at 0.67x tiny-clm's
+        # tokens/s where the CPU has bf16 matrix units (docs/multitask.md, "Speed")
         ObjectiveSpec(
             "mixture",
             ("encoder", "decoder", "encoder_decoder"),
@@ -95,7 +97,7 @@ SPECS: dict[str, ObjectiveSpec] = {
             ("block_size",),
             prompt={"decoder": "continue", "encoder_decoder": "transform"},
             lm_head=True,
-            precision="32-true",
+            precision="bf16-mixed",
         ),
     )
 }
