@@ -25,8 +25,8 @@ class MixtureTask:
     data: DataConfig
     prefix_fraction: float = 0.5  # prefix_lm: the mean share of a row that is prefix
     mode_token: str | None = None  # put before every input (UL2's [NLU], [NLG], [S2S])
-    # mntp: the mask rate at step 0 and from MixtureSettings.max_steps on, and the longest span
-    # (data/batches/mntp.py; GPT-BERT: 0.30 -> 0.15, spans of 1 to 3 tokens)
+    # mntp: the mask rate at the run's start and end (MixtureSettings' max_time, else max_steps),
+    # and the longest span (data/batches/mntp.py; GPT-BERT: 0.30 -> 0.15, spans of 1 to 3 tokens)
     mask_rate_start: float = 0.15
     mask_rate_end: float = 0.15
     max_span_length: int = 3
@@ -56,7 +56,10 @@ class MixtureSettings:
     temperature: float = 1.0
     accumulate: int = 1  # micro-batches per optimizer step: they all draw the step's task
     mixing: str = "step"  # one task per optimizer step, or rows of every task in each batch ("row")
-    max_steps: int | None = None  # the optimizer steps an mntp task's mask rate falls over
+    # the run's end, which an mntp task's mask rate falls over (data/batches/progress.py): seconds
+    # of training (trainer.max_time) where set, as the learning rate, else optimizer steps
+    max_steps: int | None = None
+    max_time: float | None = None
 
 
 @dataclass(frozen=True)

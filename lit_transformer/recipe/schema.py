@@ -164,7 +164,8 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps (with max_time: an upper bound)
     # a budget in seconds of training (training.TimeBudget says what counts: from the first
     # training batch, without validation), after which the run finishes as at max_steps; the
-    # linear, cosine and wsd schedules then decay over it. None: no budget
+    # linear, cosine and wsd schedules then decay over it, and an mntp task's mask rate falls
+    # over it. None: no budget
     max_time: float | None = None
     devices: Any = 1  # int or "auto"; Lightning's `devices`, per node (data.batch_size is per device)
     num_nodes: int = 1
@@ -341,8 +342,9 @@ class TaskConfig:
     # (the rest stay); null: data.mask_replace_prob, data.random_replace_prob
     mask_replace_prob: float | None = None
     random_replace_prob: float | None = None
-    # mntp: the mask rate at step 0 and from trainer.max_steps on, linear between (GPT-BERT: 0.30
-    # and 0.15); null: mask_rate_end, and data.mlm_probability for mask_rate_end
+    # mntp: the mask rate at the run's start and end (trainer.max_time where set, as the learning
+    # rate, else trainer.max_steps), linear between (GPT-BERT: 0.30 and 0.15); null: mask_rate_end,
+    # and data.mlm_probability for mask_rate_end
     mask_rate_start: float | None = None
     mask_rate_end: float | None = None
     max_span_length: int | None = None  # mntp: spans of 1..this many tokens; null: 3 (GPT-BERT's)

@@ -243,6 +243,7 @@ def data_plan(cfg: RunConfig) -> DataPlan:
         accumulate=cfg.trainer.accumulate_grad_batches,
         mixing=m.mixing,
         max_steps=cfg.trainer.max_steps,
+        max_time=cfg.trainer.max_time,
     )
     return DataPlan(
         kind=kind, data=cfg.data, tokenizer=cfg.tokenizer, seed=cfg.trainer.seed, tasks=tasks, mixture=mixing

@@ -90,13 +90,22 @@ class TimeBudget(Callback):
     clock is marked (with the largest reading of all ranks, so that every rank schedules the
     same learning rate and stops at the same step): the learning-rate schedule reads that mark,
     and the step that marks the budget spent is the last. A resumed run goes on from the time
-    its checkpoint saved."""
+    its checkpoint saved.
+
+    The data module's schedules read the same marks (`schedule_progress`, data/batches/progress.py:
+    mntp's mask rate): each mark is passed on, and a resumed run's saved seconds as its
+    checkpoint is loaded, before the first training batch is drawn (Lightning draws it before
+    on_train_start), so the schedule goes on where it stopped instead of starting again."""
 
     def __init__(self, max_time: float):
         self.max_time = max_time
         self.spent = False  # whether the budget ran out (the run is then finished, not interrupted)
 
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._pass_on(trainer, int(checkpoint.get("global_step", 0)), float(checkpoint.get("train_seconds", 0.0)))
+
     def on_train_start(self, trainer, pl_module) -> None:
+        self._pass_on(trainer, trainer.global_step, pl_module.train_clock.elapsed)
         if pl_module.train_clock.elapsed >= self.max_time:  # resuming a run that spent its budget
             self.spent = trainer.should_stop = True
 
@@ -110,6 +119,14 @@ class TimeBudget(Callback):
             seconds = float(trainer.strategy.reduce(reading, reduce_op="max"))
         if pl_module.train_clock.mark(seconds) >= self.max_time:
             self.spent = trainer.should_stop = True  # this step still runs; the loop ends after it
+        self._pass_on(trainer, trainer.global_step + 1, seconds)  # the clock after this step's batches
+
+    @staticmethod
+    def _pass_on(trainer, steps: int, seconds: float) -> None:
+        """`seconds` of training over the first `steps` optimizer steps, to the data schedules."""
+        progress = getattr(trainer.datamodule, "schedule_progress", None)  # a mixture's; None elsewhere
+        if progress is not None:
+            progress.mark(steps, seconds)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         pl_module.train_clock.stop()

@@ -12,6 +12,7 @@ from lit_transformer.data.batches.collate import (
     Seq2SeqCollator,
     batch_generator,
     example_generators,
+    pad,
     word_start_table,
 )
 from lit_transformer.data.batches.span import SpanCorruptionCollator, span_lengths
@@ -143,6 +144,24 @@ def test_whole_word_masking_masks_whole_words(request, fixture):
         for w in np.unique(word):
             assert row[word == w].all() or not row[word == w].any()  # all pieces of a word, or none
     assert 0.05 < selected.mean() < 0.3
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [np.arange(5), np.arange(5, 10)],  # packed blocks: one length, stacked in one copy
+        [np.arange(5, dtype=np.uint16), np.arange(3, dtype=np.uint16)],  # ragged, as a token store's dtype
+        [[1, 2, 3], (4, 5, 6), np.array([7, 8, 9], dtype=np.int32)],  # lists, tuples and arrays together
+        [[], []],
+    ],
+)
+def test_pad_equals_a_copy_per_row(rows):
+    expected = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        expected[i, : len(r)] = torch.as_tensor(np.asarray(r, dtype=np.int64))
+    got = pad(rows, -1)
+    assert got.dtype == torch.long and torch.equal(got, expected)
+    assert torch.equal(pad(rows, 0, dtype=torch.float32), torch.where(expected < 0, 0, expected).float())
 
 
 def test_clm_labels_are_shifted_inputs():

@@ -19,6 +19,7 @@ from lit_transformer.data.batches.collate import (
 )
 from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler, mixture_rates, task_for_step
 from lit_transformer.data.batches.prefix import DecoderPrefixCollator, EncoderDecoderPrefixCollator, TaskCollator
+from lit_transformer.data.batches.progress import ScheduleProgress
 from lit_transformer.data.batches.sampler import ResumableBatchSampler
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
 from lit_transformer.data.modules.mixture_module import MixtureDataModule, MixtureTask
@@ -126,7 +127,8 @@ def test_task_draws_are_keyed_by_seed_and_step_only():
 
 def mixture_sampler(rank=0, world=1, accumulate=1, sizes=(40, 25), batch=3, rates=(0.3, 0.7), seed=5):
     tasks = [ResumableBatchSampler(n, batch, seed=seed + t, rank=rank, world_size=world) for t, n in enumerate(sizes)]
-    return MixtureBatchSampler(tasks, list(rates), seed=seed, accumulate=accumulate)
+    progress = ScheduleProgress(max_steps=1000)
+    return MixtureBatchSampler(tasks, list(rates), seed=seed, accumulate=accumulate, progress=progress)
 
 
 def take(sampler, k):
@@ -170,7 +172,8 @@ def test_resumed_sampler_continues_exactly():
 def test_accumulated_micro_batches_share_their_step_task():
     keys = take(mixture_sampler(accumulate=2, rates=(0.5, 0.5)), 200)
     tasks = [t for t, _, _ in keys]
-    assert [step for _, _, step in keys] == [i // 2 for i in range(200)]  # the optimizer step rides with each key
+    # the share of the run done at its optimizer step rides with each key
+    assert [done for _, _, done in keys] == [i // 2 / 1000 for i in range(200)]
     assert all(tasks[2 * k] == tasks[2 * k + 1] for k in range(100))
     assert tasks[::2] == [task_for_step(5, s, [0.5, 0.5]) for s in range(100)]
     assert len(set(tasks[::2])) == 2

@@ -25,10 +25,10 @@ def blocks(rows: int, n: int, seed: int = 0) -> list[np.ndarray]:
     return list(out)
 
 
-def collate(rows, n=33, *, step=None, seed=0, **options):
+def collate(rows, n=33, *, done=None, seed=0, **options):
     data = blocks(rows, n, seed)
-    options = {"mask_rate_start": 0.3, "mask_rate_end": 0.15, "schedule_steps": 100, **options}
-    batch = MNTPCollator(special=SPECIAL, vocab_size=V, **options)(data, example_generators(seed, 0, range(rows)), step)
+    options = {"mask_rate_start": 0.3, "mask_rate_end": 0.15, **options}
+    batch = MNTPCollator(special=SPECIAL, vocab_size=V, **options)(data, example_generators(seed, 0, range(rows)), done)
     return torch.as_tensor(np.stack(data)), batch
 
 
@@ -39,7 +39,10 @@ def test_span_mask_chooses_exactly_the_rate_in_spans_of_at_most_max_span_length(
         n, span_max = 40 + row % 7, 1 + row % 4
         eligible = torch.rand(n, generator=gen) > 0.2
         eligible[0] = False
-        chosen, span = span_mask(eligible, 0.3, span_max, gen)
+        u = torch.rand(1, generator=gen)
+        span_lengths = torch.randint(1, span_max + 1, (1, n), generator=gen)
+        chosen, span = span_mask(eligible[None], 0.3, u, span_lengths, torch.rand(1, n, generator=gen))
+        chosen, span = chosen[0], span[0]  # one row
         m = int(eligible.sum())
         assert not (chosen & ~eligible).any()
         assert int(chosen.sum()) in (int(0.3 * m), int(0.3 * m) + 1)  # stochastic rounding of 0.3 m
@@ -93,29 +96,28 @@ def test_the_replacement_split_is_configurable(mask, random):
     assert not torch.isin(now[(now != was) & (now != SPECIAL.mask_id)], never).any()  # no special token drawn
 
 
-def test_the_mask_rate_falls_with_the_step_and_validation_reads_the_end_rate():
-    assert mask_rate(0, 0.3, 0.15, 100) == 0.3
-    assert mask_rate(50, 0.3, 0.15, 100) == pytest.approx(0.225)
-    assert mask_rate(100, 0.3, 0.15, 100) == mask_rate(500, 0.3, 0.15, 100) == 0.15
-    assert mask_rate(None, 0.3, 0.15, 100) == mask_rate(7, 0.3, 0.15, None) == 0.15
+def test_the_mask_rate_falls_over_the_run_and_validation_reads_the_end_rate():
+    assert mask_rate(0.0, 0.3, 0.15) == 0.3
+    assert mask_rate(0.5, 0.3, 0.15) == pytest.approx(0.225)
+    assert mask_rate(1.0, 0.3, 0.15) == mask_rate(5.0, 0.3, 0.15) == mask_rate(None, 0.3, 0.15) == 0.15
 
-    def share(step):
-        _, batch = collate(300, step=step)
+    def share(done):
+        _, batch = collate(300, done=done)
         return float((batch["labels"] != IGNORE_INDEX).float().mean()) * 32 / 31  # of the eligible positions
 
-    assert share(0) == pytest.approx(0.3 * 0.95, abs=0.015)  # about 5% of the tokens are separators
-    assert share(100) == pytest.approx(0.15 * 0.95, abs=0.015)
-    assert share(None) == share(100)
+    assert share(0.0) == pytest.approx(0.3 * 0.95, abs=0.015)  # about 5% of the tokens are separators
+    assert share(1.0) == pytest.approx(0.15 * 0.95, abs=0.015)
+    assert share(None) == share(1.0)
 
 
-def test_a_row_is_masked_by_its_own_generator_and_step_alone():
+def test_a_row_is_masked_by_its_own_generator_and_progress_alone():
     data = blocks(5, 33)
-    collator = MNTPCollator(special=SPECIAL, vocab_size=V, mask_rate_start=0.3, mask_rate_end=0.15, schedule_steps=10)
-    whole = collator(data, example_generators(1, 0, range(5)), 4)
-    alone = collator(data[3:4], example_generators(1, 0, [3]), 4)
+    collator = MNTPCollator(special=SPECIAL, vocab_size=V, mask_rate_start=0.3, mask_rate_end=0.15)
+    whole = collator(data, example_generators(1, 0, range(5)), 0.4)
+    alone = collator(data[3:4], example_generators(1, 0, [3]), 0.4)
     assert all(torch.equal(whole[k][3:4], alone[k]) for k in whole)
     start, end = (
-        collator(data, example_generators(1, 0, range(5)), step)["labels"] != IGNORE_INDEX for step in (0, 10)
+        collator(data, example_generators(1, 0, range(5)), done)["labels"] != IGNORE_INDEX for done in (0.0, 1.0)
     )
     assert not (end & ~start).any() and end.sum() < start.sum()  # the same spans, fewer of them at a lower rate
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_transformer.data.batches.collate import IGNORE_INDEX
+from lit_transformer.data.batches.progress import ScheduleProgress
 from lit_transformer.data.batches.row_mixing import RowMixtureBatchSampler, rows_in_batch, rows_through, stack_rows
 from lit_transformer.data.batches.sampler import ResumableBatchSampler
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
@@ -46,8 +47,11 @@ def take(sampler, k):
 
 
 def test_each_task_takes_its_own_rows_in_its_own_order_across_epochs():
-    keys = take(RowMixtureBatchSampler(samplers((40, 9)), [0.25, 0.75], batch_size=4, accumulate=2), 30)
-    assert [step for _, step in keys] == [m // 2 for m in range(30)]
+    progress = ScheduleProgress(max_steps=100)
+    keys = take(
+        RowMixtureBatchSampler(samplers((40, 9)), [0.25, 0.75], batch_size=4, accumulate=2, progress=progress), 30
+    )
+    assert [done for _, done in keys] == [m // 2 / 100 for m in range(30)]  # the share of the run at its step
     for t, n in enumerate((40, 9)):
         mine = [row for parts, _ in keys for task, rows in parts if task == t for row in rows]
         single = ResumableBatchSampler(n, 1, seed=5 + t)
@@ -157,6 +161,7 @@ def test_a_row_mixture_resumed_on_two_ranks_uses_every_row_once(tmp_path_factory
             accumulate=accumulate,
             rank=rank,
             world_size=world,
+            max_steps=100,
         )
 
     one = module(None, None, 2)
@@ -174,7 +179,7 @@ def test_a_row_mixture_resumed_on_two_ranks_uses_every_row_once(tmp_path_factory
         resumed.train_dataloader()
         resumed._begin_train_epoch()  # where iterating the loader starts: the layout carried
         after.append(take(resumed._sampler, 5))
-    assert [step for _, step in after[0]] == list(range(3, 8))  # the same optimizer steps go on
+    assert [done for _, done in after[0]] == [s / 100 for s in range(3, 8)]  # the same optimizer steps go on
     for t in (0, 1):
         used = [row for parts, _ in before for task, rows in parts if task == t for row in rows]
         new = [row for keys in after for parts, _ in keys for task, rows in parts if task == t for row in rows]

@@ -59,8 +59,13 @@ def _keyed_generator(key: tuple) -> torch.Generator:
 
 
 def pad(seqs: Sequence, value: int, dtype=torch.long) -> torch.Tensor:
-    """Right-pad 1-D sequences into (B, max length)."""
-    length = max(len(s) for s in seqs)
+    """Right-pad 1-D sequences into (B, max length). Rows of one length (packed blocks) are
+    stacked in one copy: a copy per row was a measurable share of a row-mixed batch's
+    collation (benchmarks/collate_speed.py)."""
+    lengths = [len(s) for s in seqs]
+    length = max(lengths)
+    if min(lengths) == length:
+        return torch.as_tensor(np.stack([np.asarray(s) for s in seqs]), dtype=dtype)  # (B, T)
     out = torch.full((len(seqs), length), value, dtype=dtype)
     for i, s in enumerate(seqs):
         out[i, : len(s)] = torch.as_tensor(np.asarray(s), dtype=dtype)

@@ -7,6 +7,8 @@ mixture uses them).
 - Draws (`task_for_step`): a function of (seed, step) alone, the same on every rank and resume.
 - Batches (`MixtureBatchSampler`): task t's c-th batch is batch c % per_epoch of epoch
   c // per_epoch of its own sampler; on another layout each task goes on from its cursor.
+  Each key carries the schedule's share done at its step (progress.py), read here in the main
+  process for the collators that schedule by it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from torch.utils.data import DistributedSampler
 
+from lit_transformer.data.batches.progress import ScheduleProgress
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, cursor
 
 RATE_METHODS = ("weights", "proportional", "temperature")
@@ -84,9 +87,10 @@ def task_for_step(seed: int, step: int, rates: Sequence[float]) -> int:
 
 
 class MixtureBatchSampler(DistributedSampler):
-    """Infinite keys (task, (epoch, batch index, example indices), optimizer step): micro-batch i
+    """Infinite keys (task, (epoch, batch index, example indices), progress): micro-batch i
     trains the task of step i // accumulate, and takes that task's next batch (module docstring);
-    the step reaches the collators that schedule by it (mntp.py's mask rate).
+    progress, `progress.at` that step (None without a `progress`), reaches the collators that
+    schedule by it (mntp.py's mask rate).
 
     It subclasses DistributedSampler (as ResumableBatchSampler does) so that Lightning leaves it
     in place under DDP; each task's sampler is already sharded by rank. It has no length, so a
@@ -95,7 +99,13 @@ class MixtureBatchSampler(DistributedSampler):
     """
 
     def __init__(
-        self, samplers: Sequence[ResumableBatchSampler], rates: Sequence[float], *, seed: int = 0, accumulate: int = 1
+        self,
+        samplers: Sequence[ResumableBatchSampler],
+        rates: Sequence[float],
+        *,
+        seed: int = 0,
+        accumulate: int = 1,
+        progress: ScheduleProgress | None = None,
     ):
         if not samplers or len(samplers) != len(rates):
             raise ValueError(f"MixtureBatchSampler: {len(samplers)} samplers for {len(rates)} rates")
@@ -119,6 +129,7 @@ class MixtureBatchSampler(DistributedSampler):
             if rate > 0 and len(s) == 0:
                 raise ValueError(f"MixtureBatchSampler: task {t} is drawn (rate {rate:.3g}) but has no full batch")
         self.samplers, self.rates, self.accumulate = list(samplers), [float(r) for r in rates], int(accumulate)
+        self.progress = progress
         self._start: tuple[int, list[int]] = (0, [0] * len(samplers))
         self.origins = [(0, 0, 0)] * len(samplers)  # sampler.cursor's, per task
         self._orders: dict[int, tuple] = {}  # task -> (epoch, that epoch's order)
@@ -135,13 +146,17 @@ class MixtureBatchSampler(DistributedSampler):
         # a TypeError is what Lightning's `has_len` takes for "no length": an infinite loader
         raise TypeError("MixtureBatchSampler is infinite and has no length")
 
-    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple], int]]:
+    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, tuple], float | None]]:
         micro, counts = self._start[0], list(self._start[1])
         while True:
             t = task_for_step(self.seed, micro // self.accumulate, self.rates)
-            yield t, self.task_batch(t, counts[t]), micro // self.accumulate
+            yield t, self.task_batch(t, counts[t]), self.done(micro // self.accumulate)
             counts[t] += 1
             micro += 1
+
+    def done(self, step: int) -> float | None:
+        """The schedule's share done at optimizer step `step`, read when its key is drawn."""
+        return self.progress.at(step) if self.progress is not None else None
 
     def task_batch(self, t: int, count: int) -> tuple[int, int, tuple]:
         """Key of task t's batch number `count` (from its start): (epoch, batch index, indices).

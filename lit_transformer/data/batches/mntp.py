@@ -14,11 +14,14 @@ Per next-token block of n = T + 1 tokens (as CLMCollator reads it):
 - replacement, one draw per span so that a span is never half revealed (as GPT-BERT's):
   [MASK] with mask_replace_prob, a random non-special token per position with
   random_replace_prob, else the span stays as it is (GPT-BERT: 80/10/10).
-- the rate falls linearly from `mask_rate_start` at optimizer step 0 to `mask_rate_end` at
-  `schedule_steps` and stays there (GPT-BERT: 30% -> 15%). It is a pure function of the step
-  the data module passes with each batch, so a resumed run masks exactly as an uninterrupted
-  one. Without a step (validation, evaluation) the rate is the end rate: GPT-BERT validates at
-  15%, and every validation of a run then measures the same task.
+- the rate falls linearly from `mask_rate_start` at the run's start to `mask_rate_end` at its
+  end (GPT-BERT: 30% -> 15%). It is a pure function of the share of the run done, which the
+  data module passes with each training batch (progress.py): its optimizer step over
+  trainer.max_steps, or under trainer.max_time the seconds of training spent over the budget,
+  the clock the learning rate reads. A resumed run goes on from where it stopped: without a
+  time budget it masks exactly as an uninterrupted one. Without a share (validation,
+  evaluation) the rate is the end rate: GPT-BERT validates at 15%, and every validation of a
+  run then measures the same task.
 
 Every row draws from its own generator over its own length (collate.py), so a row is masked
 the same whatever batch, rank or padding it lands in.
@@ -39,46 +42,77 @@ from lit_transformer.errors import DataError
 MAX_SPAN_LENGTH = 3  # GPT-BERT's SpanMaskingStrategy.max_span_length
 
 
-def mask_rate(step: int | None, start: float, end: float, steps: int | None) -> float:
-    """The mask rate at optimizer step `step`: linear from `start` at 0 to `end` at `steps`,
-    `end` after; `end` without a step or without a horizon."""
-    if step is None or not steps:
+def mask_rate(done: float | None, start: float, end: float) -> float:
+    """The mask rate once the share `done` of the run is done (progress.py): linear from `start`
+    at 0 to `end` at 1; `end` without a share."""
+    if done is None:
         return end
-    return start + (end - start) * min(max(step, 0) / steps, 1.0)
+    return start + (end - start) * min(max(done, 0.0), 1.0)
 
 
 def span_mask(
-    eligible: torch.Tensor, rate: float, max_span_length: int, gen: torch.Generator
+    eligible: torch.Tensor, rate: float, u: torch.Tensor, span_lengths: torch.Tensor, scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """eligible (n,) bool -> (chosen (n,) bool, span (n,) long: each position's span, 0, 1, ...
-    in order). Exactly floor(rate m + u) of the m eligible positions are chosen, u uniform in
-    [0, 1): whole spans in the order of their random scores, the last one cut short (module
-    docstring). Always n + 1 + n draws from `gen`, whatever is chosen."""
-    n = eligible.numel()
-    m = int(eligible.sum())
-    k = min(int(rate * m + float(torch.rand((), generator=gen))), m)
-    lengths = torch.randint(1, max_span_length + 1, (n,), generator=gen)  # (n,): more spans than needed
-    scores = torch.rand(n, generator=gen)
-    ends = lengths.cumsum(0)  # (n,) where each span ends
-    span = torch.searchsorted(ends, torch.arange(n), right=True)  # (n,)
-    if n == 0:
-        return eligible.clone(), span
-    count = int(span[-1]) + 1  # spans that cover the row, S
-    elig = eligible.long()
-    per_span = torch.zeros(count, dtype=torch.long).index_add_(0, span, elig)  # (S,) eligible tokens
-    order = scores[:count].argsort(stable=True)  # (S,) spans in the order they are taken
-    taken_before = torch.empty_like(per_span)
-    taken_before[order] = per_span[order].cumsum(0) - per_span[order]  # (S,) chosen before the span's turn
-    span_start = per_span.cumsum(0) - per_span  # (S,) eligible tokens left of each span
-    within = elig.cumsum(0) - elig - span_start[span]  # (n,) eligible tokens before p in its span
-    return eligible & (taken_before[span] + within < k), span
+    """Each row's spans and chosen positions from its draws, all rows at once (B batch, n row
+    length, S = n span slots): eligible (B, n) bool, u (B,) uniform in [0, 1), span_lengths (B, n) in
+    1..max_span_length and scores (B, n) uniform -> (chosen (B, n) bool, span (B, n) long: each
+    position's span, 0, 1, ... in order). Exactly floor(rate m + u) of a row's m eligible
+    positions are chosen: whole spans in the order of their scores (span j's score is
+    scores[:, j]), the last one cut short (module docstring).
+
+    Ragged rows are padded: padding is not eligible, and its span lengths may be anything >= 1
+    (the spans stay in order, and every span index stays below n). A row's chosen positions
+    then depend on its own draws over its own length alone: a span past the row's end holds no
+    eligible token, so wherever it sorts it moves no other span's count."""
+    elig = eligible.long()  # (B, n)
+    m = elig.sum(1)  # (B,)
+    k = torch.minimum((rate * m.double() + u.double()).long(), m)  # (B,): int(rate m + u) as a float64 sum
+    n = eligible.shape[1]
+    ends = span_lengths.cumsum(1)  # (B, n) where each span ends
+    positions = torch.arange(n).expand_as(ends).contiguous()  # (B, n)
+    span = torch.searchsorted(ends, positions, right=True)  # (B, n)
+    per_span = torch.zeros_like(elig).scatter_add_(1, span, elig)  # (B, S) eligible tokens
+    order = scores.argsort(dim=1, stable=True)  # (B, S) spans in the order they are taken
+    in_order = per_span.gather(1, order)  # (B, S)
+    taken_before = torch.empty_like(per_span).scatter_(1, order, in_order.cumsum(1) - in_order)  # (B, S)
+    span_start = per_span.cumsum(1) - per_span  # (B, S) eligible tokens left of each span
+    within = elig.cumsum(1) - elig - span_start.gather(1, span)  # (B, n) eligible tokens before p in its span
+    return eligible & (taken_before.gather(1, span) + within < k[:, None]), span
+
+
+def row_draws(
+    gens: list[torch.Generator], lengths: list[int], n: int, max_span_length: int, vocab: int
+) -> tuple[torch.Tensor, ...]:
+    """Each row's random numbers from its own generator over its own length, padded to n (B
+    batch): u (B,), span lengths (B, n), span scores (B, n), replacement draws (B, n) and random
+    token picks (B, n) in [0, vocab), in this order per row: 1 + L + L + L + L draws for a row of
+    L tokens, so a row is masked the same in any batch. Only the draws loop over rows (the span
+    logic runs on all rows at once, span_mask); they write in place into the padded tensors,
+    as torch.rand and torch.randint would draw them. Padding keeps span length 1 (span_mask).
+    The rows' views come from one unbind, and only a ragged row is sliced: indexing each
+    buffer per row was a measurable share of the loop (benchmarks/collate_speed.py)."""
+    B = len(gens)
+    u, scores, r = torch.zeros(B), torch.zeros(B, n), torch.zeros(B, n)
+    span_lengths, picks = torch.ones(B, n, dtype=torch.long), torch.zeros(B, n, dtype=torch.long)
+    rows = zip(gens, lengths, u.unbind(), span_lengths.unbind(), scores.unbind(), r.unbind(), picks.unbind())
+    for gen, L, u_row, *row in rows:
+        if L < n:
+            row = [x[:L] for x in row]
+        lengths_row, scores_row, r_row, picks_row = row  # (L,) each
+        u_row.uniform_(generator=gen)
+        lengths_row.random_(1, max_span_length + 1, generator=gen)  # more spans than needed
+        scores_row.uniform_(generator=gen)
+        r_row.uniform_(generator=gen)
+        picks_row.random_(0, vocab, generator=gen)
+    return u, span_lengths, scores, r, picks
 
 
 class MNTPCollator:
     """Next-token blocks of T + 1 tokens -> GPT-BERT's masked rows with shifted targets (module
-    docstring). `schedule_steps`: the optimizer steps the rate falls over (None: the end rate)."""
+    docstring). The rate follows the share of the run done that each training batch brings (as
+    `step`, progress.py); the end rate without one."""
 
-    takes_step = True  # TaskCollator passes each training batch's optimizer step
+    follows_progress = True  # TaskCollator passes each training batch's share of the run done
 
     def __init__(
         self,
@@ -87,7 +121,6 @@ class MNTPCollator:
         vocab_size: int,
         mask_rate_start: float = 0.15,
         mask_rate_end: float = 0.15,
-        schedule_steps: int | None = None,
         max_span_length: int = MAX_SPAN_LENGTH,
         mask_replace_prob: float = 0.8,
         random_replace_prob: float = 0.1,
@@ -108,33 +141,26 @@ class MNTPCollator:
         self.pad_id = special.pad_id if special.pad_id is not None else 0
         self.never, self.random_ids = masking_ids(special, vocab_size)
         self.rates = (float(mask_rate_start), float(mask_rate_end))
-        self.schedule_steps = schedule_steps
         self.max_span_length = int(max_span_length)
         self.mask_replace_prob, self.random_replace_prob = mask_replace_prob, random_replace_prob
 
-    def rate(self, step: int | None) -> float:
-        return mask_rate(step, *self.rates, self.schedule_steps)
+    def rate(self, done: float | None) -> float:
+        return mask_rate(done, *self.rates)
 
-    def __call__(self, examples, generators=None, step: int | None = None) -> dict[str, torch.Tensor]:
+    def __call__(self, examples, generators=None, done: float | None = None) -> dict[str, torch.Tensor]:
         gens = per_example(generators, len(examples))
         ids = pad(examples, self.pad_id)  # (B, T+1)
-        B, n = ids.shape
+        n = ids.shape[1]
         lengths = torch.tensor([len(ex) for ex in examples])
         real = torch.arange(n)[None, :] < lengths[:, None]  # (B, T+1)
         eligible = real & ~torch.isin(ids, self.never)
         eligible[:, 0] = False  # nothing before it to read its prediction at
-        rate = self.rate(step)
-        chosen = torch.zeros(B, n, dtype=torch.bool)
-        inputs = ids.clone()
-        keep_below = self.mask_replace_prob + self.random_replace_prob
-        for row, gen in enumerate(gens):
-            L = int(lengths[row])
-            picked, span = span_mask(eligible[row, :L], rate, self.max_span_length, gen)
-            r = torch.rand(L, generator=gen)[span]  # (L,): one draw per span
-            random_tokens = self.random_ids[torch.randint(len(self.random_ids), (L,), generator=gen)]
-            to_mask = picked & (r < self.mask_replace_prob)
-            to_random = picked & (r >= self.mask_replace_prob) & (r < keep_below)
-            inputs[row, :L] = torch.where(to_mask, self.mask_id, torch.where(to_random, random_tokens, ids[row, :L]))
-            chosen[row, :L] = picked
+        draws = row_draws(gens, lengths.tolist(), n, self.max_span_length, len(self.random_ids))
+        u, span_lengths, scores, r, picks = draws  # (B,), then (B, T+1) each
+        chosen, span = span_mask(eligible, self.rate(done), u, span_lengths, scores)  # (B, T+1) each
+        r = r.gather(1, span)  # (B, T+1): one draw per span
+        to_mask = chosen & (r < self.mask_replace_prob)
+        to_random = chosen & (r >= self.mask_replace_prob) & (r < self.mask_replace_prob + self.random_replace_prob)
+        inputs = torch.where(to_mask, self.mask_id, torch.where(to_random, self.random_ids[picks], ids))
         labels = ids[:, 1:].masked_fill(~chosen[:, 1:], IGNORE_INDEX)  # (B, T): the token after each position
         return {"input_ids": inputs[:, :-1], "attention_mask": real[:, :-1].long(), "labels": labels}

@@ -30,13 +30,19 @@ ARCHS = ("encoder", "decoder", "encoder_decoder")
 BIDIRECTIONAL_TASKS = ("mlm", "mntp")  # task objectives whose decoder rows are fully visible
 
 
-def prefix_length(n: int, prefix_fraction: float, gen: torch.Generator) -> int:
-    """A row's prefix length over its n real tokens (module docstring), one draw from `gen`."""
+def prefix_lengths(lengths: list[int], prefix_fraction: float, gens: list[torch.Generator]) -> torch.Tensor:
+    """Each row's prefix length (B,) long over its n real tokens (module docstring), one draw
+    from each row's generator. Only the draws loop over rows: the arithmetic runs on all rows at
+    once in float64, Python's float, with torch.round rounding half to even as round() does."""
     if not 0.0 < prefix_fraction < 1.0:
         raise ValueError(f"prefix_fraction={prefix_fraction} is outside (0, 1)")
+    u = torch.empty(len(gens))
+    for gen, draw in zip(gens, u.unbind()):
+        draw.uniform_(generator=gen)
     width = min(prefix_fraction, 1.0 - prefix_fraction) / 2
-    f = prefix_fraction - width + 2 * width * float(torch.rand((), generator=gen))
-    return min(max(round(f * n), 1), max(n - 1, 1))
+    n = torch.tensor(lengths, dtype=torch.float64)  # (B,)
+    f = prefix_fraction - width + 2 * width * u.double()  # (B,)
+    return torch.minimum((f * n).round().clamp_min(1), (n - 1).clamp_min(1)).long()
 
 
 class DecoderPrefixCollator:
@@ -52,7 +58,7 @@ class DecoderPrefixCollator:
         gens = per_example(generators, len(examples))
         batch = self.clm(examples, gens)
         # input length is one less than the block: the last token is only a label
-        prefix = torch.tensor([prefix_length(len(ex) - 1, self.prefix_fraction, g) for ex, g in zip(examples, gens)])
+        prefix = prefix_lengths([len(ex) - 1 for ex in examples], self.prefix_fraction, gens)  # (B,)
         T = batch["labels"].shape[1]
         inside = torch.arange(T)[None, :] < (prefix[:, None] - 1)  # (B, T): targets that lie in the prefix
         batch["labels"] = batch["labels"].masked_fill(inside, IGNORE_INDEX)
@@ -73,10 +79,10 @@ class EncoderDecoderPrefixCollator:
         self.prefix_fraction = prefix_fraction
 
     def __call__(self, examples, generators=None) -> dict[str, torch.Tensor]:
+        gens = per_example(generators, len(examples))
         pairs = []
-        for ex, gen in zip(examples, per_example(generators, len(examples))):
+        for ex, p in zip(examples, prefix_lengths([len(ex) for ex in examples], self.prefix_fraction, gens).tolist()):
             tokens = [int(t) for t in ex]
-            p = prefix_length(len(tokens), self.prefix_fraction, gen)
             pairs.append((tokens[:p] + [self.eos_id], tokens[p:] + [self.eos_id]))
         return self.seq2seq(pairs)
 
@@ -88,8 +94,9 @@ class TaskCollator:
     touches it: on decoder and encoder models to input_ids (attention 1, label ignored, and inside
     the prefix: prefix_lengths + 1); on an encoder-decoder to the encoder input only. An mlm or
     mntp task on a decoder sees its rows fully bidirectional: prefix_lengths = T, counted with the
-    mode token. `step` (a training batch's optimizer step) reaches a base that schedules by it
-    (`takes_step`: mntp.py's mask rate); validation batches come without one.
+    mode token. `done` (the share of the schedule done at a training batch's optimizer step,
+    progress.py) reaches a base that schedules by it (`follows_progress`: mntp.py's mask rate);
+    validation batches come without one.
     """
 
     def __init__(self, base: Callable, *, task: int, objective: str, arch: str, mode_token_id: int | None = None):
@@ -98,10 +105,10 @@ class TaskCollator:
         self.base, self.task, self.objective, self.arch = base, int(task), objective, arch
         self.mode_token_id = mode_token_id
         self.bidirectional = objective in BIDIRECTIONAL_TASKS and arch == "decoder"
-        self.takes_step = bool(getattr(base, "takes_step", False))
+        self.follows_progress = bool(getattr(base, "follows_progress", False))
 
-    def __call__(self, examples, generators=None, step: int | None = None) -> dict:
-        batch = self.base(examples, generators, step) if self.takes_step else self.base(examples, generators)
+    def __call__(self, examples, generators=None, done: float | None = None) -> dict:
+        batch = self.base(examples, generators, done) if self.follows_progress else self.base(examples, generators)
         if self.mode_token_id is not None:
             if "document_ids" in batch:
                 raise DataError("a mode token cannot be combined with data.document_mask (it belongs to no document)")
@@ -130,12 +137,12 @@ def task_collator(
     special: SpecialTokens,
     vocab_size: int,
     mode_token_id: int | None = None,
-    max_steps: int | None = None,
 ) -> TaskCollator:
     """Task `index`'s collator in a mixture, for training (MixtureDataModule) and evaluation
     (MixtureSplitReader) alike: its pipeline's collator `base`, or the prefix-LM or mntp collator
-    that reads the same blocks, wrapped in TaskCollator. `max_steps`: the steps an mntp task's
-    mask rate falls over (evaluation passes no step, and reads the end rate)."""
+    that reads the same blocks, wrapped in TaskCollator. An mntp task's mask rate follows the
+    progress each training key carries (progress.py: the run's horizon is the data module's);
+    evaluation passes none, and reads the end rate."""
     if task.objective == "prefix_lm":
         prefix = DecoderPrefixCollator if arch == "decoder" else EncoderDecoderPrefixCollator
         base = prefix(special, task.prefix_fraction)
@@ -145,7 +152,6 @@ def task_collator(
             vocab_size=vocab_size,
             mask_rate_start=task.mask_rate_start,
             mask_rate_end=task.mask_rate_end,
-            schedule_steps=max_steps,
             max_span_length=task.max_span_length,
             mask_replace_prob=task.data.mask_replace_prob,
             random_replace_prob=task.data.random_replace_prob,

@@ -34,6 +34,7 @@ import torch
 
 from lit_transformer.data.batches.collate import example_generators
 from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler
+from lit_transformer.data.batches.progress import ScheduleProgress
 from lit_transformer.data.batches.sampler import ResumableBatchSampler
 from lit_transformer.errors import DataError
 
@@ -74,9 +75,10 @@ def rows_in_batch(micro: int, batch_size: int, rates: Sequence[float]) -> list[i
 
 
 class RowMixtureBatchSampler(MixtureBatchSampler):
-    """Infinite keys (((task, ((epoch, example index), ...)) for each task with rows), optimizer
-    step): micro-batch i holds rows_in_batch(i) rows of each task, each task's next rows of its
-    own sampler (of batch size 1; module docstring). `resume` takes each task's rows so far."""
+    """Infinite keys (((task, ((epoch, example index), ...)) for each task with rows), progress):
+    micro-batch i holds rows_in_batch(i) rows of each task, each task's next rows of its own
+    sampler (of batch size 1; module docstring), and the schedule's share done at its optimizer
+    step (MixtureBatchSampler's). `resume` takes each task's rows so far."""
 
     def __init__(
         self,
@@ -86,13 +88,14 @@ class RowMixtureBatchSampler(MixtureBatchSampler):
         batch_size: int,
         seed: int = 0,
         accumulate: int = 1,
+        progress: ScheduleProgress | None = None,
     ):
         if any(s.batch_size != 1 for s in samplers):
             raise ValueError("RowMixtureBatchSampler: every task's sampler must take one row at a time (batch size 1)")
-        super().__init__(samplers, rates, seed=seed, accumulate=accumulate)
+        super().__init__(samplers, rates, seed=seed, accumulate=accumulate, progress=progress)
         self.batch_size = int(batch_size)
 
-    def __iter__(self) -> Iterator[tuple[tuple, int]]:
+    def __iter__(self) -> Iterator[tuple[tuple, float | None]]:
         micro, counts = self._start[0], list(self._start[1])
         while True:
             parts = []
@@ -101,7 +104,7 @@ class RowMixtureBatchSampler(MixtureBatchSampler):
                     keys = [self.task_batch(t, c) for c in range(counts[t], counts[t] + rows)]
                     parts.append((t, tuple((epoch, indices[0]) for epoch, _, indices in keys)))
                     counts[t] += rows
-            yield tuple(parts), micro // self.accumulate
+            yield tuple(parts), self.done(micro // self.accumulate)
             micro += 1
 
 
@@ -138,10 +141,10 @@ class RowMixtureBatches(torch.utils.data.Dataset):
         return sum(len(e) for e in self.examples)
 
     def __getitem__(self, key) -> dict:
-        parts, step = key
+        parts, done = key
         batches = []
         for t, rows in parts:
             # each row's generator keyed by (seed + t, its epoch, its index), as example_generators keys it
             gens = [example_generators(self.seed + t, epoch, [i])[0] for epoch, i in rows]
-            batches.append(self.collators[t]([self.examples[t][i] for _, i in rows], gens, step))
+            batches.append(self.collators[t]([self.examples[t][i] for _, i in rows], gens, done))
         return stack_rows(batches, [t for t, _ in parts])

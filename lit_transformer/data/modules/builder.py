@@ -39,4 +39,5 @@ def build_data_module(
         model_vocab_size=model_vocab_size,
         mixing=m.mixing,
         max_steps=m.max_steps,
+        max_time=m.max_time,
     )

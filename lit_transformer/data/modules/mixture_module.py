@@ -11,7 +11,9 @@ rates, the draws and the sampler are in data/batches/mixture_sampling.py.
   cycles through its own epochs: its c-th batch is batch c % per_epoch of epoch c // per_epoch.
   Task t seeds its permutation and its collator generators with seed + t, so a mixture of one
   task draws exactly the batches a single-objective run with the same seed draws. Each key
-  carries its optimizer step, for a collator that schedules by it (mntp.py's mask rate).
+  carries the schedule's share done at its optimizer step, for a collator that schedules by it
+  (mntp.py's mask rate): `schedule_progress` (data/batches/progress.py) over trainer.max_time
+  where it is set, else trainer.max_steps, fed the training clock by training.TimeBudget.
 - Per-row mixing (`mixing="row"`, data/batches/row_mixing.py): instead of one task per step,
   every micro-batch stacks data.batch_size rows of a decoder's tasks, apportioned by the rates;
   task t's sampler then takes one row at a time, and its count is its rows so far.
@@ -39,6 +41,7 @@ from torch.utils.data import DataLoader
 from lit_transformer.data.batches.collate import example_generators
 from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler, mixture_rates
 from lit_transformer.data.batches.prefix import ARCHS, task_collator
+from lit_transformer.data.batches.progress import ScheduleProgress
 from lit_transformer.data.batches.row_mixing import RowMixtureBatches, RowMixtureBatchSampler
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, cursor
 from lit_transformer.data.data_config import DataConfig, TokenizerConfig
@@ -60,7 +63,7 @@ ROW_OBJECTIVES = ("clm", "mlm", "mntp", "prefix_lm")
 
 
 class _MixtureBatches(torch.utils.data.Dataset):
-    """Map-style dataset whose keys are MixtureBatchSampler's: (task, (epoch, batch index, indices), step)."""
+    """Map-style dataset whose keys are MixtureBatchSampler's: (task, (epoch, batch index, indices), progress)."""
 
     def __init__(self, examples: list, collators: list, seed: int):
         self.examples, self.collators, self.seed = examples, collators, seed
@@ -69,9 +72,9 @@ class _MixtureBatches(torch.utils.data.Dataset):
         return sum(len(e) for e in self.examples)
 
     def __getitem__(self, key) -> dict:
-        t, (epoch, _, indices), step = key
+        t, (epoch, _, indices), done = key
         gens = example_generators(self.seed + t, epoch, indices)  # task t's own seed (module docstring)
-        return self.collators[t]([self.examples[t][i] for i in indices], gens, step)
+        return self.collators[t]([self.examples[t][i] for i in indices], gens, done)
 
 
 class MixtureDataModule(RankedDataModule):
@@ -84,8 +87,9 @@ class MixtureDataModule(RankedDataModule):
     that one file, so tasks with the same data and pipeline share one token cache.
 
     `mixing`: "step" (one task per optimizer step) or "row" (every batch stacks rows of the
-    tasks by their rates: a decoder's tasks of one shape, with one data.batch_size). `max_steps`:
-    the optimizer steps an mntp task's mask rate falls over.
+    tasks by their rates: a decoder's tasks of one shape, with one data.batch_size). `max_steps`
+    and `max_time` (trainer.max_time, which wins where set): the run's end, which an mntp task's
+    mask rate falls over (`schedule_progress`).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class MixtureDataModule(RankedDataModule):
         tokenizer_pipeline: str | None = None,
         mixing: str = "step",
         max_steps: int | None = None,
+        max_time: float | None = None,
     ):
         super().__init__()
         if not tasks:
@@ -140,7 +145,8 @@ class MixtureDataModule(RankedDataModule):
         if mixing == "row" and len({t.data.batch_size for t in tasks}) > 1:
             sizes = {t.name: t.data.batch_size for t in tasks}
             raise DataError(f"mixture.mixing=row shares one data.batch_size among the tasks' rows, got {sizes}")
-        self.tasks, self.arch, self.mixing, self.max_steps = list(tasks), arch, mixing, max_steps
+        self.tasks, self.arch, self.mixing = list(tasks), arch, mixing
+        self.schedule_progress = ScheduleProgress(max_steps=max_steps, max_time=max_time)
         self.tokenizer_cfg, self.tokenizer_data = tokenizer, tokenizer_data
         self.rate_options = dict(
             method=rates, weights=None if weights is None else list(weights), cap=cap, temperature=temperature
@@ -187,7 +193,6 @@ class MixtureDataModule(RankedDataModule):
                 special=dm.special_tokens,
                 vocab_size=dm.vocab_size,
                 mode_token_id=self._mode_ids[task.mode_token] if task.mode_token is not None else None,
-                max_steps=self.max_steps,
             )
         self._rates = mixture_rates(self.train_sizes, **self.rate_options)
         if self.trainer is not None:  # Lightning's setup hook: every rank compares what it read
@@ -220,11 +225,18 @@ class MixtureDataModule(RankedDataModule):
         if self.mixing == "row":
             rows = self.tasks[0].data.batch_size
             self._sampler = RowMixtureBatchSampler(
-                samplers, self.rates, batch_size=rows, seed=self.seed, accumulate=self.accumulate
+                samplers,
+                self.rates,
+                batch_size=rows,
+                seed=self.seed,
+                accumulate=self.accumulate,
+                progress=self.schedule_progress,
             )
             dataset = RowMixtureBatches(examples, collators, self.seed)
         else:
-            self._sampler = MixtureBatchSampler(samplers, self.rates, seed=self.seed, accumulate=self.accumulate)
+            self._sampler = MixtureBatchSampler(
+                samplers, self.rates, seed=self.seed, accumulate=self.accumulate, progress=self.schedule_progress
+            )
             dataset = _MixtureBatches(examples, collators, self.seed)
         return EpochLoader(
             dataset,

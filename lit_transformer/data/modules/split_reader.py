@@ -185,7 +185,6 @@ class MixtureSplitReader:
                 special=reader.special_tokens,
                 vocab_size=reader.tokenizer.get_vocab_size(with_added_tokens=True),
                 mode_token_id=modes[task.mode_token] if task.mode_token is not None else None,
-                max_steps=plan.mixture.max_steps,
             )
             self.readers.append(reader)
 
