@@ -80,3 +80,16 @@ def private_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     return cache
+
+
+@pytest.fixture(scope="session")
+def launcher():
+    """The distributed jobs' launcher (tests/launcher.py): one process for the session that imports
+    torch, Lightning and lit_transformer once and forks the ranks of each job. Started on first
+    use, it imports while that test goes on; a fixture that asks for it before its own
+    one-process runs has it ready by its job."""
+    from launcher import RankLauncher
+
+    ranks = RankLauncher()
+    yield ranks
+    ranks.close()

@@ -311,14 +311,16 @@ def assert_tuned_from(source: Path, tuned: Path) -> None:
     assert len(before) // 2 < same < len(before), f"{same} of {len(before)} token rows unchanged"
 
 
-def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout: int) -> None:
-    """Run `script` with `args` as rank 0 of a 2-process gloo job on this machine (Lightning starts
-    rank 1 by running the script again) with the token cache `cache`. A rank that waits on a
-    collective the other never enters hangs: the timeout turns it into a failure."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(
+        return s.getsockname()[1]
+
+
+def job_env(cache: Path, port: int) -> dict[str, str]:
+    """The environment of a distributed job's processes: the token cache `cache`, the rendezvous on
+    this machine at `port`, one thread each, no hub access."""
+    return dict(
         os.environ,
         LIT_TRANSFORMER_CACHE=str(cache),
         MASTER_ADDR="127.0.0.1",
@@ -329,6 +331,14 @@ def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout
         # the scripts import this module's callbacks (StopAt) instead of writing their own
         PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]),
     )
+
+
+def run_two_ranks(script: Path, args: list[str], cache: Path, cwd: Path, timeout: int) -> None:
+    """Run `script` with `args` as rank 0 of a 2-process gloo job on this machine (Lightning starts
+    rank 1 by running the script again) with the token cache `cache`. A rank that waits on a
+    collective the other never enters hangs: the timeout turns it into a failure. (The files of
+    distributed training fork their ranks instead: tests/launcher.py.)"""
+    env = job_env(cache, free_port())
     result = subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
@@ -343,15 +353,14 @@ TWO_RANKS = {
 ONE_RANK = ["data.batch_size=6"]
 
 
-def two_rank_job(folder: Path, script: str, args: list[str], cache: Path, timeout: int) -> dict[str, Path]:
+def two_rank_job(launcher, folder: Path, script: str, args: list[str], cache: Path, timeout: int) -> dict[str, Path]:
     """The 2-process fixture of the distributed tests: `script` (a program's source) written to
-    `folder`/run.py and run once as a 2-process gloo job (run_two_ranks) with `folder` then `args`
-    as its arguments. The script trains under each strategy of TWO_RANKS in turn, in this one
-    launch (each process spends seconds on its imports), into `folder`/<strategy>; returns
-    {strategy: that folder}."""
+    `folder`/run.py and run once as a 2-process gloo job (`launcher`, conftest.py's fixture) with
+    `folder` then `args` as its arguments. The script trains under each strategy of TWO_RANKS in
+    turn, in this one job, into `folder`/<strategy>; returns {strategy: that folder}."""
     script_path = folder / "run.py"
     script_path.write_text(script)
-    run_two_ranks(script_path, [str(folder), *args], cache, folder, timeout=timeout)
+    launcher.run(script_path, [str(folder), *args], cache, folder, timeout=timeout)
     return {strategy: folder / strategy for strategy in TWO_RANKS}
 
 

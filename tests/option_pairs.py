@@ -26,8 +26,8 @@ names the key the one-line error must name) checks that refusal for exactly that
               document_mask = data.document_mask=true (clm and mlm only)
   data        packed = the token cache; streaming = data.streaming=true; store =
               data.store=litdata (both mlm, clm, span only)
-  strategy    single = this process; ddp, fsdp = 2 CPU processes on gloo, one subprocess that
-              trains the ddp rows and then the fsdp rows one after another
+  strategy    single = this process; ddp, fsdp = 2 CPU processes on gloo, one 2-process job
+              that trains the ddp rows and then the fsdp rows one after another
   generation  on = sample generation at each validation (clm, span, seq2seq), and BLEU for
               seq2seq; mlm and classify generate nothing, so only `off` applies to them
   compile     trainer.compile (the whole step, or per block with checkpointing or fsdp); checkpointing =

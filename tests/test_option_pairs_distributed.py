@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_two_ranks
 from option_pairs import RUNS, check_run, follow_up, stop_and_resume
 
 _SCRIPT = r"""
@@ -25,16 +24,15 @@ for args in json.loads(open(sys.argv[1]).read()):
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> Path:
-    """Every ddp row, then every fsdp row, each stopped and resumed, in one 2-process run
-    (Lightning starts rank 1 by running the script again, so the script holds all of them; one
-    launch, as each process spends seconds importing torch and Lightning)."""
+def two_processes(tmp_path_factory, launcher) -> Path:
+    """Every ddp row, then every fsdp row, each stopped and resumed, in one 2-process job
+    (tests/launcher.py forks its ranks; each runs the script, which holds all of them)."""
     out = tmp_path_factory.mktemp("two")
     rows = [row for strategy in ("ddp", "fsdp") for row in RUNS if row.strategy == strategy]
     commands = [args for row in rows for args in stop_and_resume(row, out / row.id)]
     (out / "commands.json").write_text(json.dumps(commands))
     (out / "run.py").write_text(_SCRIPT)
-    run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
+    launcher.run(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
     return out
 
 

@@ -8,9 +8,9 @@ every test passed, because the distributed tests ran their own trimmed configura
   trains a few steps on 2 gloo processes under `ddp` and under `fsdp` through the command line,
   as shipped: its eval section (each entry capped to a few examples, its kind, mode token and
   options kept), its sample generation, its precision, its averaging and its `auto` sizing.
-  Only sizes change (SHRINK): less text, fewer steps, shorter generations. One subprocess
-  trains every recipe under ddp, then under fsdp (Lightning starts rank 1 by running the script
-  again); each test reads one recipe's run directory.
+  Only sizes change (SHRINK): less text, fewer steps, shorter generations. One 2-process job
+  (tests/launcher.py forks its ranks) trains every recipe under ddp, then under fsdp; each test
+  reads one recipe's run directory.
 - every paper-scale recipe builds its objective on the meta device under both strategies, and
   under fsdp is sharded as configure_model shards it (on a fake 2-rank process group: shapes only).
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EVAL_EXAMPLES, RECIPES, capped_recipe, run_two_ranks
+from helpers import EVAL_EXAMPLES, RECIPES, capped_recipe
 from option_pairs import assert_evaluations_ran
 
 from lit_transformer.data.tokens.tokenizer import SpecialTokens
@@ -140,16 +140,16 @@ for args in json.loads(Path(sys.argv[1]).read_text()):
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> tuple[Path, str]:
+def matrix(tmp_path_factory, launcher) -> tuple[Path, str]:
     """(the folder of the runs, what went wrong or ""): every recipe under each strategy in turn,
-    all in one 2-process job (one launch: each process spends seconds importing torch and
-    Lightning); a failure is kept, not raised, so that each recipe's test says what it did."""
+    all in one 2-process job; a failure is kept, not raised, so that each recipe's test says what
+    it did."""
     out = tmp_path_factory.mktemp("recipes")
     every = [args for strategy in STRATEGIES for args in commands(strategy, out / strategy)]
     (out / "commands.json").write_text(json.dumps(every))
     (out / "run.py").write_text(_SCRIPT)
     try:
-        run_two_ranks(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
+        launcher.run(out / "run.py", [str(out / "commands.json")], tmp_path_factory.getbasetemp() / "cache", out, 900)
     except AssertionError as error:
         return out, str(error)
     return out, ""

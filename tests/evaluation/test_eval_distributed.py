@@ -6,8 +6,8 @@ heldout and translate).
 Every rank runs every evaluation on gathered weights and keeps rank 0's numbers: the runs must
 finish (no rank waits on a collective the other skips), every rank must hold the same numbers,
 and those numbers must be the one-process run's, since the training is the same up to float
-round-off. As in test_distributed.py, data.batch_size is per device (2 x 3 = 6) and the second
-rank is launched by Lightning running the subprocess's script again.
+round-off. As in test_distributed.py, data.batch_size is per device (2 x 3 = 6) and both ranks of
+the 2-process job are forked by the launcher (tests/launcher.py), which sets LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -93,10 +93,10 @@ import sys
 from lit_transformer.commands.train import train
 from lit_transformer.data.sources.stdlib import seq2seq_examples
 from lit_transformer.recipe.load import load_recipe
-from helpers import TWO_RANKS  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import TWO_RANKS  # tests/ is on the scripts' path (helpers.job_env)
 
 root, recipe, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
-rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning sets it in the process it launches
+rank = int(os.environ["LOCAL_RANK"])  # set in each rank, as Lightning's launcher and torchrun set it
 for strategy, two in TWO_RANKS.items():
     out = root / strategy
     runs = {"evaluated": (recipe, common)}
@@ -124,8 +124,8 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, setup) -> Path:
-    """One process, batch 6: the reference."""
+def single(tmp_path_factory, setup, launcher) -> Path:
+    """One process, batch 6: the reference (the launcher imports meanwhile)."""
     recipe, cache = setup
     out = tmp_path_factory.mktemp("single")
     namespace: dict = {}
@@ -139,10 +139,11 @@ def single(tmp_path_factory, setup) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, single, setup) -> dict[str, Path]:
-    """The ddp runs and then the fsdp run, in one 2-process launch: {strategy: its folder}."""
+def two_processes(tmp_path_factory, single, setup, launcher) -> dict[str, Path]:
+    """The ddp runs and then the fsdp run, in one 2-process job: {strategy: its folder}."""
     recipe, cache = setup
-    return two_rank_job(tmp_path_factory.mktemp("two"), _SCRIPT, [str(recipe), json.dumps(COMMON)], cache, timeout=500)
+    args = [str(recipe), json.dumps(COMMON)]
+    return two_rank_job(launcher, tmp_path_factory.mktemp("two"), _SCRIPT, args, cache, timeout=500)
 
 
 @pytest.fixture(scope="module")

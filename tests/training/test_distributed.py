@@ -3,10 +3,10 @@ against one process with the same global batch; sharded checkpoints that resume 
 that export, evaluate and generate read; ranks that see disjoint data.
 
 data.batch_size is per device, so the one-process reference uses 2 x 3 = 6. The 2-process runs
-happen in one subprocess, ddp then fsdp (Lightning launches the second rank itself by running
-the script again), which trains the objectives one after another; each rank records its losses,
-loss-token counts and example rows per step. The loss of a global batch is the plain mean of
-the ranks' losses (each rank divides its summed token loss by the global token count / 2).
+happen in one job (tests/launcher.py forks its two processes), ddp then fsdp, which trains the
+objectives one after another; each rank records its losses, loss-token counts and example rows
+per step. The loss of a global batch is the plain mean of the ranks' losses (each rank divides
+its summed token loss by the global token count / 2).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ _SCRIPT = (
 import sys
 
 from lit_transformer.recipe.load import load_recipe
-from helpers import TWO_RANKS, StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import TWO_RANKS, StopAt  # tests/ is on the scripts' path (helpers.job_env)
 from lit_transformer.commands.train import train
 
 root, recipes, common = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -127,8 +127,8 @@ def cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, cache) -> Path:
-    """One process, batch 6: the reference of every objective."""
+def single(tmp_path_factory, cache, launcher) -> Path:
+    """One process, batch 6: the reference of every objective (the launcher imports meanwhile)."""
     out = tmp_path_factory.mktemp("single")
     namespace: dict = {}
     exec(_RECORD, namespace)
@@ -144,10 +144,10 @@ def single(tmp_path_factory, cache) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, single, cache) -> dict[str, Path]:
-    """The ddp runs and then the fsdp runs, in one 2-process launch: {strategy: its folder}."""
+def two_processes(tmp_path_factory, single, cache, launcher) -> dict[str, Path]:
+    """The ddp runs and then the fsdp runs, in one 2-process job: {strategy: its folder}."""
     args = [str(RECIPES), json.dumps(COMMON), json.dumps(OBJECTIVES), json.dumps(EXTRA)]
-    return two_rank_job(tmp_path_factory.mktemp("two"), _SCRIPT, args, cache, timeout=600)
+    return two_rank_job(launcher, tmp_path_factory.mktemp("two"), _SCRIPT, args, cache, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ The sampler's invariant (data/batches/sampler.py): the union of every rank's fir
 is the epoch order's first K x batch x ranks examples, so the new ranks skip that prefix. With
 data.max_train_bytes=950 the corpus packs into 25 blocks: 4 optimizer steps of 6 blocks per epoch
 on either layout (1 x 3 x 2 accumulated, or 2 ranks x 3), so the 7 steps cross an epoch's end,
-with validation every 2 steps. Runs happen in subprocesses (a DDP or FSDP trainer on one process
-still starts a process group, which must not outlive the run inside pytest): one process for the
-references and the 1-rank starts, two for every 2-rank run, one for the 1-rank resumes.
+with validation every 2 steps. Runs happen in processes of their own (a DDP or FSDP trainer on one
+process still starts a process group, which must not outlive the run inside pytest), forked by the
+launcher (tests/launcher.py): one for the references and the 1-rank starts, two for every 2-rank
+run, one for the 1-rank resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import RECIPES, TINY_RUN, run_two_ranks
+from helpers import RECIPES, TINY_RUN
 
 from lit_transformer.data.batches.mixture_sampling import MixtureBatchSampler, task_for_step
 from lit_transformer.data.batches.sampler import ResumableBatchSampler, TokenBatchSampler, cursor
@@ -62,7 +63,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lit_transformer.commands.train import train
 from lit_transformer.recipe.load import load_recipe
-from helpers import StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import StopAt  # tests/ is on the scripts' path (helpers.job_env)
 
 
 class Record(Callback):
@@ -99,11 +100,11 @@ def _job(out: Path, name: str, recipe: str, layout: list[str], *, stop: int | No
     return [str(RECIPES / f"tiny-{recipe}.yaml"), overrides, stop, str(out / name / f"record-{part}")]
 
 
-def _launch(out: Path, cache: Path, label: str, jobs: list) -> None:
+def _launch(launcher, out: Path, cache: Path, label: str, jobs: list, ranks: int) -> None:
     (out / f"{label}.json").write_text(json.dumps(jobs))
     script = out / "run.py"
     script.write_text(_SCRIPT)
-    run_two_ranks(script, [str(out / f"{label}.json")], cache, out, timeout=400)
+    launcher.run(script, [str(out / f"{label}.json")], cache, out, timeout=400, ranks=ranks)
 
 
 def _cut(run: Path, copy: Path, step: int) -> None:
@@ -116,10 +117,11 @@ def _cut(run: Path, copy: Path, step: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(tmp_path_factory, launcher) -> Path:
     out, cache = tmp_path_factory.mktemp("world"), tmp_path_factory.mktemp("cache")
     ddp, fsdp = ["trainer.strategy=ddp"], ["trainer.strategy=fsdp"]
     _launch(
+        launcher,
         out,
         cache,
         "one-first",
@@ -129,11 +131,13 @@ def runs(tmp_path_factory) -> Path:
             _job(out, "mix", "unilm", [*ONE, *ddp]),
             _job(out, "fsdp-1to2", "clm", [*ONE, *fsdp], stop=4),  # stopped at the end of epoch 0
         ],
+        ranks=1,
     )
     _cut(out / "clm", out / "ddp-1to2", 3)
     _cut(out / "mix", out / "mix-accumulated-1to2", 3)
     _cut(out / "mix-wide", out / "mix-1to2", 3)
     _launch(
+        launcher,
         out,
         cache,
         "two",
@@ -146,8 +150,10 @@ def runs(tmp_path_factory) -> Path:
             _job(out, "fsdp-1to2", "clm", [*ONE, *fsdp, *TWO], resume=True),
             _job(out, "fsdp-2to1", "clm", [*TWO, *fsdp], stop=4),
         ],
+        ranks=2,
     )
     _launch(
+        launcher,
         out,
         cache,
         "one-resumed",
@@ -156,6 +162,7 @@ def runs(tmp_path_factory) -> Path:
             _job(out, "mix-2to1", "unilm", [*TWO, *ddp, *WIDE], resume=True),
             _job(out, "fsdp-2to1", "clm", [*TWO, *fsdp, "trainer.devices=1"], resume=True),
         ],
+        ranks=1,
     )
     return out
 
