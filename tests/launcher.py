@@ -7,7 +7,7 @@ one process per test session (conftest.py's `launcher` fixture) that imports the
 each job, forks its ranks: both start at once, as torchrun starts them (LOCAL_RANK, NODE_RANK and
 WORLD_SIZE set, so Lightning starts no process itself). That is also how every run after the
 first finds its ranks in a job that Lightning launched: rank 0 then holds the variables its
-launcher set. helpers.run_two_ranks keeps Lightning's own launcher for the tests that use it.
+launcher set. helpers.run_two_ranks keeps Lightning's own launcher for one test (test_objective_training.py).
 """
 
 from __future__ import annotations

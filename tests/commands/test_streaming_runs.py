@@ -9,7 +9,7 @@ import json
 import math
 
 import pytest
-from helpers import RECIPES, SMALL, VOCAB, assert_resume_matches, pretrain_args, run_two_ranks
+from helpers import RECIPES, SMALL, VOCAB, assert_resume_matches, pretrain_args
 
 from lit_transformer.commands.cli import main
 from lit_transformer.recipe.load import load_recipe
@@ -122,12 +122,12 @@ for name, stop, extra in (("whole", 99, []), ("parts", 3, []), ("parts", 99, ["r
 
 
 @pytest.mark.distributed
-def test_a_stopped_ddp_streaming_run_resumes_exactly(tmp_path):
+def test_a_stopped_ddp_streaming_run_resumes_exactly(tmp_path, launcher):
     """Each rank resumes its own stream: the checkpoint holds every rank's positions (gathered)."""
     script = tmp_path / "run.py"
     script.write_text(_DDP_SCRIPT)
     two = ["trainer.strategy=ddp", "trainer.devices=2", "model.dropout=0.0"]  # dropout draws are per rank
-    run_two_ranks(
+    launcher.run(
         script,
         [str(RECIPES / "tiny-mlm.yaml"), str(tmp_path), json.dumps([*resuming(tmp_path), *two]), str(TEXT_BATCH)],
         tmp_path / "cache",

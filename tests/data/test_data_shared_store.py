@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import RECIPES, TINY_RUN, RecordSteps, optional, run_two_ranks, tiny_run_config
+from helpers import RECIPES, TINY_RUN, RecordSteps, optional, tiny_run_config
 
 optional("litdata", "store")
 moto_server = optional("moto.server", "dev")
@@ -418,7 +418,7 @@ from pathlib import Path
 
 from lit_transformer.commands.train import train
 from lit_transformer.recipe.load import load_recipe
-from helpers import RecordSteps, StopAt  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import RecordSteps, StopAt  # tests/ is on the scripts' path (helpers.job_env)
 
 for overrides, stop, record in json.loads(Path(sys.argv[1]).read_text()):
     callbacks = [RecordSteps(record)] + ([StopAt(stop)] if stop else [])
@@ -428,8 +428,8 @@ TWO = ["trainer.devices=2", "trainer.strategy=ddp", "data.batch_size=3"]
 
 
 @pytest.fixture(scope="module")
-def runs(s3, stores, corpus, tmp_path_factory) -> dict:
-    """One two-rank launch (the runs read store `one` from S3, with a local cache of their own):
+def runs(s3, stores, corpus, tmp_path_factory, launcher) -> dict:
+    """One two-rank job (the runs read store `one` from S3, with a local cache of their own):
     a whole run, one stopped at step STOP and resumed, and another stopped at STOP; then this
     process resumes the other on one rank (accumulating 2 micro-batches: the same global batch)."""
     out, node = tmp_path_factory.mktemp("s3-runs"), tmp_path_factory.mktemp("rank-node-cache")
@@ -441,7 +441,7 @@ def runs(s3, stores, corpus, tmp_path_factory) -> dict:
     jobs = [job("whole"), job("parts", stop=STOP), job("parts", "resume=auto", part="resumed"), job("other", stop=STOP)]
     (out / "jobs.json").write_text(json.dumps(jobs))
     (out / "run.py").write_text(_SCRIPT)
-    run_two_ranks(out / "run.py", [str(out / "jobs.json"), str(RECIPES / "tiny-clm.yaml")], node, out, timeout=500)
+    launcher.run(out / "run.py", [str(out / "jobs.json"), str(RECIPES / "tiny-clm.yaml")], node, out, timeout=500)
     from lit_transformer.commands.train import train
 
     # one process, no process group left behind in pytest: the single-device strategy

@@ -345,7 +345,9 @@ with open(f"report_{fit.global_rank}.json", "w") as f:  # the ranks share stdout
 def test_fsdp2_two_processes_skip_a_nonfinite_step_together(tmp_path):
     """configure_model shards every block under ModelParallelStrategy (2 gloo processes); a
     NaN on one rank only makes both ranks skip the same step, with weights and AdamW state
-    untouched, and training then proceeds."""
+    untouched, and training then proceeds. Rank 1 is started by Lightning's own launcher, as in a
+    user's `trainer.devices=2` run: the suite's one job that keeps it (the others fork their ranks,
+    tests/launcher.py)."""
     script = tmp_path / "fsdp_run.py"
     script.write_text(_FSDP_SCRIPT)
     run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=240)

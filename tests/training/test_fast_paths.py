@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_two_ranks, seeded_model, tiny_config
+from helpers import seeded_model, tiny_config
 
 from lit_transformer.model import LanguageModel, TransformerConfig
 from lit_transformer.model.attention import Attention, _matmuls_faster, _stack, attend
@@ -268,7 +268,7 @@ _FSDP_SCRIPT = r"""
 import json, warnings, torch, lightning as L
 from torch.utils.data import DataLoader
 from lightning.pytorch.strategies import ModelParallelStrategy
-from helpers import tiny_objective_config  # tests/ is on the scripts' path (helpers.run_two_ranks)
+from helpers import tiny_objective_config  # tests/ is on the scripts' path (helpers.job_env)
 from lit_transformer.objectives import CausalLM, OptimConfig
 from lit_transformer.training.distributed import CheckpointedBlock
 warnings.filterwarnings("ignore")
@@ -283,7 +283,7 @@ class Record(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-# four runs in one 2-process job (a launch costs each process its imports): the same seed, model,
+# four runs in one 2-process job (fewer jobs, fewer process groups to start): the same seed, model,
 # batches and dropout draws, with and without checkpointing; then without dropout (inductor draws
 # its own masks), eager and with the blocks checkpointed and compiled
 RUNS = {"plain": (False, False, 0.1), "checkpointed": (True, False, 0.1), "eager": (False, False, 0.0),
@@ -310,14 +310,14 @@ for name, (checkpointing, compile, dropout) in RUNS.items():
 
 
 @pytest.mark.distributed
-def test_checkpointing_and_compile_under_fsdp2_give_the_same_losses(tmp_path):
+def test_checkpointing_and_compile_under_fsdp2_give_the_same_losses(tmp_path, launcher):
     """configure_model checkpoints every block, then FSDP2 shards it (2 gloo processes, dropout
     on): the same per-step losses on every rank as without checkpointing. trainer.compile with
     both compiles each checkpointed block (compiled_step.py's "blocks" scope): the eager run's
     losses too."""
     script = tmp_path / "fsdp_ac.py"
     script.write_text(_FSDP_SCRIPT)
-    run_two_ranks(script, [], tmp_path / "cache", tmp_path, timeout=300)
+    launcher.run(script, [], tmp_path / "cache", tmp_path, timeout=300)
     for rank in (0, 1):
         runs = {
             name: json.loads((tmp_path / f"report_{name}_{rank}.json").read_text())
