@@ -290,7 +290,14 @@ class ModeGroups:
     def attend(self, attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`attention(q, k, v, bias, is_causal)` per group; q (B, H, T, D), k and v (B, K, S, D)
         -> (B, H, T, D)."""
-        outputs = [attention(q[g.rows], k[g.rows], v[g.rows], g.bias, g.causal) for g in self.groups]
+        if self.order is None:  # the groups are consecutive slices of the batch, in order
+            # split, not slicing: split's backward is one concatenation of the groups' gradients,
+            # where each slice's backward fills a zero gradient of the whole batch and adds them
+            sizes = [g.rows.stop - g.rows.start for g in self.groups]
+            parts = zip(q.split(sizes), k.split(sizes), v.split(sizes))
+        else:
+            parts = ((q[g.rows], k[g.rows], v[g.rows]) for g in self.groups)
+        outputs = [attention(qg, kg, vg, g.bias, g.causal) for g, (qg, kg, vg) in zip(self.groups, parts)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # (B, H, T, D) in group order
         return out if self.order is None else out.index_select(0, self.order)
 

@@ -144,7 +144,8 @@ class MultiTaskLM(ObjectiveBase):
             head_positions=count,
         )
         if self._trainer is not None:
-            self._log_row_tasks(terms)
+            if self.writes_step_metrics():  # the same steps on every rank: _log_row_tasks all-reduces
+                self._log_row_tasks(terms)
             owner = batch["row_task"]
             mask = batch["attention_mask"]
             self._log_shares(
@@ -276,6 +277,8 @@ class MultiTaskLM(ObjectiveBase):
         for index, (batches, tokens) in used.items():
             self.task_batches[index] += batches
             self.task_tokens[index] += tokens * self.trainer.world_size
+        if not self.writes_step_metrics():
+            return
         all_batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
         for task, count, spent in zip(self.tasks, self.task_batches, self.task_tokens):
             self.log(f"train/{task['name']}/step_share", count / all_batches)

@@ -7,8 +7,8 @@ and MFU (train/tokens_per_s, train/mfu) are measured by training.throughput.Thro
 `flops_config` says which configuration's FLOPs a step spends. LanguageModelObjective, below, is
 the one constructor of CausalLM and MaskedLM.
 
-Training metrics, logged with `self.log` at every step (the Trainer's log_every_n_steps
-decides what reaches the logger):
+Training metrics, logged with `self.log` on the steps whose values reach the logger (every
+trainer.log_every_n_steps optimizer steps; train/loss at every step, for the progress bar):
   train/loss, train/ppl   the minimised loss (label-smoothed if asked) and exp(plain NLL)
   train/lr                the first parameter group's learning rate for this step
   train/grad_norm         total 2-norm of all gradients, BEFORE clipping: Lightning calls
@@ -320,7 +320,10 @@ class ObjectiveBase(L.LightningModule):
         # loss over the global count / W: their mean is the batch's loss); every rank is here
         metrics = metrics or {}
         logged = self._ranks_mean([loss, *([] if nll_mean is None else [nll_mean]), *metrics.values()])
-        self.log("train/loss", logged[0], prog_bar=True)
+        self.log("train/loss", logged[0], prog_bar=True)  # every step: the progress bar shows it
+        self.step_work = StepWork(batch, flop_tokens, head_positions)
+        if not self.writes_step_metrics():
+            return loss
         if nll_mean is not None:
             self.log("train/ppl", logged[1].exp())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -334,8 +337,17 @@ class ObjectiveBase(L.LightningModule):
                     self.log(f"{prefix}bpb", bits_per_byte(float(logged[1]), task_bytes_per_token))
         for name, value in zip(metrics, logged[len(logged) - len(metrics) :]):
             self.log(f"{prefix}{name}", value)
-        self.step_work = StepWork(batch, flop_tokens, head_positions)
         return loss
+
+    def writes_step_metrics(self) -> bool:
+        """Whether this training step's metrics reach the logger. Lightning writes a training
+        step's values only every `trainer.log_every_n_steps` optimizer steps (and when the run
+        stops) and drops the rest, as its own LearningRateMonitor knows; each `self.log` costs
+        a walk over the metric's attributes (lightning's _ResultMetric.to), more than a tiny
+        model's loss ("Logging" in benchmarks/README.md), so the step metrics beyond the progress
+        bar's loss are logged only when they will be written. The same on every rank."""
+        trainer = self.trainer
+        return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
 
     def _ranks_mean(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each (scalar) value's mean over the ranks, in one all-reduce; as given in one process."""
@@ -356,7 +368,8 @@ class ObjectiveBase(L.LightningModule):
         if not grads:  # training_step returned None: nothing to measure
             return
         norm = total_norm(grads)
-        self.log("train/grad_norm", norm)
+        if self.writes_step_metrics():
+            self.log("train/grad_norm", norm)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16 AMP skips inf steps itself
         if self.skip_nonfinite and scaler is None and not torch.isfinite(norm):
             # A finite loss can still overflow in backward (and under DDP/FSDP a non-finite loss

@@ -61,6 +61,39 @@ class Record(Callback):
         self.steps.append((trainer.global_step, float(outputs["loss"]), task))
 
 
+class LogCalls(Callback):
+    """(global step, name) of every `self.log` the objective makes while training."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, str]] = []
+
+    def setup(self, trainer, pl_module, stage):
+        log = pl_module.log
+
+        def spy(name, *args, **kwargs):
+            if trainer.training:
+                self.calls.append((trainer.global_step, name))
+            return log(name, *args, **kwargs)
+
+        pl_module.log = spy
+
+
+def assert_step_metrics_on_logging_steps_only(calls: list[tuple[int, str]], every: int, tasks: list[str]) -> None:
+    """Lightning writes a training step's metrics every `every` optimizer steps and drops the rest:
+    between those steps only the progress bar's train/loss is logged (objective_base.writes_step_metrics)."""
+    # the Throughput callback logs at the end of a step, global_step already counting it: left out
+    calls = [(step, name) for step, name in calls if name not in ("train/tokens_per_s", "train/tokens_seen", "train/mfu")]
+    steps = sorted({step for step, _ in calls})
+    assert len(steps) >= 2 * every
+    for step in steps:
+        names = {name for s, name in calls if s == step}
+        if (step + 1) % every:
+            assert names == {"train/loss"}, (step, names)
+        else:
+            assert {"train/lr", "train/grad_norm", *(f"train/{t}/loss" for t in tasks)} <= names, (step, names)
+            assert {f"train/{t}/step_share" for t in tasks} <= names, (step, names)
+
+
 @pytest.fixture(autouse=True)
 def cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LIT_TRANSFORMER_CACHE", str(tmp_path_factory.getbasetemp() / "multitask-cache"))
@@ -96,13 +129,16 @@ def test_a_mixture_of_one_task_reproduces_the_single_objective(tmp_path, recipe,
 # tiny-gptbert: per-row mixing, and an mntp mask rate that falls with the step (0.30 -> 0.15 over the 6)
 @pytest.mark.parametrize("recipe", ["tiny-unilm", "tiny-gptbert"])
 def test_a_resumed_mixture_continues_exactly(tmp_path, recipe):
-    args = [*COMMON, "trainer.checkpoint_every_n_steps=1"]
-    straight = Record()
+    args = [*COMMON, "trainer.checkpoint_every_n_steps=1", "trainer.log_every_n_steps=2"]
+    straight, logs = Record(), LogCalls()
     train(
         load_recipe(RECIPES / f"{recipe}.yaml", [*args, f"run.dir={tmp_path / 'straight'}"]),
-        callbacks=[straight],
+        callbacks=[straight, logs],
         progress_bar=False,
     )
+    tasks = {"tiny-unilm": ["mlm", "clm", "prefix_lm"], "tiny-gptbert": ["clm", "mntp"]}[recipe]
+    # gptbert logs every task's rows each logging step; unilm the one task its step drew
+    assert_step_metrics_on_logging_steps_only(logs.calls, 2, tasks if recipe == "tiny-gptbert" else [])
     first, second = Record(), Record()
     resumed = [*args, f"run.dir={tmp_path / 'resumed'}"]
     train(load_recipe(RECIPES / f"{recipe}.yaml", resumed), callbacks=[first, StopAt(3)], progress_bar=False)
