@@ -82,7 +82,9 @@ def assert_step_metrics_on_logging_steps_only(calls: list[tuple[int, str]], ever
     """Lightning writes a training step's metrics every `every` optimizer steps and drops the rest:
     between those steps only the progress bar's train/loss is logged (objective_base.writes_step_metrics)."""
     # the Throughput callback logs at the end of a step, global_step already counting it: left out
-    calls = [(step, name) for step, name in calls if name not in ("train/tokens_per_s", "train/tokens_seen", "train/mfu")]
+    calls = [
+        (step, name) for step, name in calls if name not in ("train/tokens_per_s", "train/tokens_seen", "train/mfu")
+    ]
     steps = sorted({step for step, _ in calls})
     assert len(steps) >= 2 * every
     for step in steps:
