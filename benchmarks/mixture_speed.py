@@ -3,6 +3,7 @@
     python benchmarks/mixture_speed.py                                  # 5 alternating rounds
     python benchmarks/mixture_speed.py --recipes tiny-clm,tiny-gptbert --rounds 5 --steps 200
     python benchmarks/mixture_speed.py --profile                        # where each step's time goes
+    python benchmarks/mixture_speed.py --parts --rounds 2               # the same, without a profiler
 
 Each cell is one recipe pretrained in a fresh process and a fresh run directory on the embedded
 corpus, its recipe as shipped (batch, block, precision, threads) with validation, checkpoints and
@@ -15,7 +16,11 @@ headline is the median over rounds with the range, and each mixture's ratio to t
 --profile: one run per recipe under torch.profiler over `--steps` steps after the warm-up,
 printing the self time of each operator group as a share of the step (as profile_step.py groups
 them), the data loader's share (batches drawn from the loader with no model), and the top
-operators. Not part of the test suite; take figures on a quiet machine, one run at a time.
+operators. --parts: the wall time of each part of a step without a profiler (whose cost per
+operator call distorts a comparison of steps with different operator counts): the loop between
+steps (the data loader included), the training step (forward, loss and `self.log`), backward, the
+optimizer step and the rest; and, of the training step, `self.log`. Not part of the test suite;
+take figures on a quiet machine, one run at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +44,54 @@ sys.path.insert(0, str(REPO))
 QUIET = ["generation.enabled=false", "logger.wandb.mode=disabled"]
 
 
-def run_one(recipe: str, steps: int, warmup: int, profile: bool, seed: int) -> dict:
+def step_parts(warmup: int, total: int):
+    """A Lightning callback timing each part of the steps after `warmup` (see --parts)."""
+    import lightning as L
+
+    class StepParts(L.Callback):
+        def __init__(self):
+            self.seconds: dict[str, float] = defaultdict(float)
+            self.at: dict[str, float] = {}
+            self.on = False
+
+        def setup(self, trainer, pl_module, stage):
+            log = pl_module.log
+
+            def timed_log(*args, **kwargs):
+                start = time.perf_counter()
+                out = log(*args, **kwargs)
+                if self.on:
+                    self.seconds["of which self.log"] += time.perf_counter() - start
+                return out
+
+            pl_module.log = timed_log
+
+        def _part(self, name: str, since: str, mark: str) -> None:
+            now = time.perf_counter()
+            if self.on and since in self.at:
+                self.seconds[name] += now - self.at[since]
+            self.at[mark] = now
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.on = warmup <= trainer.global_step < total
+            self._part("between steps (loader)", "end", "start")
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._part("training_step", "start", "backward")
+
+        def on_after_backward(self, trainer, pl_module):
+            self._part("backward", "backward", "optimizer")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._part("optimizer and the rest", "optimizer", "end")
+
+        def ms_per_step(self) -> dict[str, float]:
+            return {name: 1000 * s / (total - warmup) for name, s in self.seconds.items()}
+
+    return StepParts()
+
+
+def run_one(recipe: str, steps: int, warmup: int, profile: bool, seed: int, parts: bool = False) -> dict:
     """Train `recipe` in this process and return its timing (and profile) as a dict."""
     import lightning as L
     import torch
@@ -75,7 +128,8 @@ def run_one(recipe: str, steps: int, warmup: int, profile: bool, seed: int) -> d
                     if profile:
                         profiler["p"].__exit__(None, None, None)
 
-        train(cfg, callbacks=[StepTimer()], progress_bar=False)
+        timers = [StepTimer()] + ([step_parts(warmup, total)] if parts else [])
+        train(cfg, callbacks=timers, progress_bar=False)
         seconds = marks["end"] - marks["start"]
         tokens = steps * cfg.data.batch_size * cfg.data.block_size * max(cfg.trainer.accumulate_grad_batches, 1)
         out = {
@@ -85,6 +139,8 @@ def run_one(recipe: str, steps: int, warmup: int, profile: bool, seed: int) -> d
             "tokens_per_s": tokens / seconds,
             "precision": cfg.trainer.precision,
         }
+        if parts:
+            out["parts"] = timers[1].ms_per_step()
         if profile:
             out["profile"] = _groups(profiler["p"], steps)
             out["loader_ms"] = _loader_ms(cfg, steps)
@@ -130,11 +186,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--parts", action="store_true", help="time each part of a step, without a profiler")
     parser.add_argument("--json", help="write every cell here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one recipe, JSON on stdout
     args = parser.parse_args()
     if args.one:
-        result = run_one(args.one, args.steps, args.warmup, args.profile, args.seed)
+        result = run_one(args.one, args.steps, args.warmup, args.profile, args.seed, args.parts)
         print("RESULT " + json.dumps(result))
         return
     recipes = args.recipes.split(",")
@@ -145,8 +202,10 @@ def main() -> None:
         order = recipes if round_ % 2 == 0 else recipes[::-1]
         for recipe in order:
             command = [sys.executable, __file__, "--one", recipe, "--steps", str(args.steps)]
-            command += ["--warmup", str(args.warmup), "--seed", str(args.seed)] + (
-                ["--profile"] if args.profile else []
+            command += (
+                ["--warmup", str(args.warmup), "--seed", str(args.seed)]
+                + (["--profile"] if args.profile else [])
+                + (["--parts"] if args.parts else [])
             )
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
             line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -161,6 +220,12 @@ def main() -> None:
         values = [c["tokens_per_s"] for c in cells[recipe]]
         median = statistics.median(values)
         print(f"{recipe:<16}{median:>16,.0f}{f'{min(values):,.0f}-{max(values):,.0f}':>22}{median / base:>13.2f}x")
+    if args.parts:
+        names = ["between steps (loader)", "training_step", "of which self.log", "backward", "optimizer and the rest"]
+        print(f"\nms per step, median over rounds:\n{'':<26}" + "".join(f"{r:>16}" for r in recipes))
+        for name in names:
+            values = [statistics.median(c["parts"].get(name, 0.0) for c in cells[r]) for r in recipes]
+            print(f"{name:<26}" + "".join(f"{v:>16.2f}" for v in values))
     if args.profile:
         for recipe in recipes:
             cell = cells[recipe][0]

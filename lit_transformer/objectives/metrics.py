@@ -45,8 +45,9 @@ def token_cross_entropy(
     return loss_sum, nll_sum.detach(), count
 
 
-def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float) -> float:
-    """Nats per token -> bits per UTF-8 byte of the text: comparable across tokenizers."""
+def bits_per_byte(loss_nats_per_token: float | torch.Tensor, bytes_per_token: float) -> float | torch.Tensor:
+    """Nats per token -> bits per UTF-8 byte of the text: comparable across tokenizers (a tensor
+    stays a tensor: no host sync on a training step)."""
     return loss_nats_per_token / math.log(2) / bytes_per_token
 
 

@@ -147,6 +147,8 @@ class ObjectiveBase(L.LightningModule):
         self.skipped_steps: int = 0
         self.eval_metrics = nn.ModuleDict()
         self.step_work: StepWork | None = None  # this batch's work, taken by the Throughput callback
+        # a mixture's per-task step metrics since the last logging step: {"train/<task>/": {name: value}}
+        self.unwritten_task_metrics: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ building and loading
     objective_names: tuple[str, ...] = ()  # set by registry.implements
@@ -322,21 +324,26 @@ class ObjectiveBase(L.LightningModule):
         logged = self._ranks_mean([loss, *([] if nll_mean is None else [nll_mean]), *metrics.values()])
         self.log("train/loss", logged[0], prog_bar=True)  # every step: the progress bar shows it
         self.step_work = StepWork(batch, flop_tokens, head_positions)
+        values: dict[str, Any] = dict(zip(metrics, logged[len(logged) - len(metrics) :]))
+        if task is not None:  # a step-mixed task's step: kept until a logging step writes it
+            values["loss"] = logged[0]
+            if nll_mean is not None:
+                values["ppl"] = logged[1].exp()
+                if task_bytes_per_token is not None:
+                    values["bpb"] = bits_per_byte(logged[1], task_bytes_per_token)
+        self.unwritten_task_metrics["train/" if task is None else f"train/{task}/"] = values
         if not self.writes_step_metrics():
             return loss
         if nll_mean is not None:
             self.log("train/ppl", logged[1].exp())
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/skipped_steps", float(self.skipped_steps))
-        prefix = "train/" if task is None else f"train/{task}/"
-        if task is not None:
-            self.log(f"{prefix}loss", logged[0])
-            if nll_mean is not None:
-                self.log(f"{prefix}ppl", logged[1].exp())
-                if task_bytes_per_token is not None:
-                    self.log(f"{prefix}bpb", bits_per_byte(float(logged[1]), task_bytes_per_token))
-        for name, value in zip(metrics, logged[len(logged) - len(metrics) :]):
-            self.log(f"{prefix}{name}", value)
+        # every task's latest values since the last logging step, as if each had been logged on its
+        # own step (the logger writes each name's last value), not only the task of this step
+        for prefix, task_values in self.unwritten_task_metrics.items():
+            for name, value in task_values.items():
+                self.log(f"{prefix}{name}", value)
+        self.unwritten_task_metrics = {}
         return loss
 
     def writes_step_metrics(self) -> bool:
@@ -344,8 +351,9 @@ class ObjectiveBase(L.LightningModule):
         step's values only every `trainer.log_every_n_steps` optimizer steps (and when the run
         stops) and drops the rest, as its own LearningRateMonitor knows; each `self.log` costs
         a walk over the metric's attributes (lightning's _ResultMetric.to), more than a tiny
-        model's loss ("Logging" in benchmarks/README.md), so the step metrics beyond the progress
-        bar's loss are logged only when they will be written. The same on every rank."""
+        model's loss (benchmarks/README.md, "Mixtures against the causal LM"), so the step metrics
+        beyond the progress bar's loss are logged only when they will be written. The same on
+        every rank."""
         trainer = self.trainer
         return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
 
