@@ -89,6 +89,8 @@ class MultiTaskLM(ObjectiveBase):
         # micro-batches and input tokens each task has trained on (global over ranks)
         self.task_batches = [0] * len(tasks)
         self.task_tokens = [0.0] * len(tasks)
+        # a row-mixed step's detached loss terms per task, until a logging step writes them
+        self.unwritten_row_terms: list[list[torch.Tensor]] | None = None
 
     @classmethod
     def from_recipe(cls, name: str, cfg: RunConfig, model: TransformerConfig | LanguageModel, data: Any):
@@ -113,7 +115,9 @@ class MultiTaskLM(ObjectiveBase):
         mask = batch.get("attention_mask")
         tokens = mask.sum() if mask is not None else batch["input_ids"].numel()
         metrics = {"accuracy": correct / n} if self._accuracy_name(task) is not None else {}
-        loss = self.finish_training_step(
+        if self._trainer is not None:
+            self._count_shares({index: (1, self._input_tokens(batch))})
+        return self.finish_training_step(
             loss_sum / n,
             nll_sum / n,
             batch,
@@ -123,9 +127,6 @@ class MultiTaskLM(ObjectiveBase):
             task=task["name"],
             task_bytes_per_token=self._task_bpb[index],
         )
-        if self._trainer is not None:
-            self._log_shares({index: (1, self._input_tokens(batch))})
-        return loss
 
     def _row_training_step(self, batch: dict[str, Any]) -> torch.Tensor | None:
         """A batch of every task's rows (mixture.mixing=row): one loss over all their targets."""
@@ -136,22 +137,19 @@ class MultiTaskLM(ObjectiveBase):
         )
         count = sum(term[2] for term in terms)
         n = self.token_normalizer(count)
-        loss = self.finish_training_step(
+        if self._trainer is not None:
+            self.unwritten_row_terms = [[value.detach() for value in term] for term in terms]
+            owner, mask = batch["row_task"], batch["attention_mask"]
+            self._count_shares(
+                {t: (int((owner == t).sum()), float(mask[owner == t].sum())) for t in range(len(self.tasks))}
+            )
+        return self.finish_training_step(
             sum(term[0] for term in terms) / n,
             sum(term[1] for term in terms) / n,
             batch,
             flop_tokens=batch["attention_mask"].sum(),
             head_positions=count,
         )
-        if self._trainer is not None:
-            if self.writes_step_metrics():  # the same steps on every rank: _log_row_tasks all-reduces
-                self._log_row_tasks(terms)
-            owner = batch["row_task"]
-            mask = batch["attention_mask"]
-            self._log_shares(
-                {t: (int((owner == t).sum()), float(mask[owner == t].sum())) for t in range(len(self.tasks))}
-            )
-        return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         self.eval_update(batch, batch_idx)
@@ -246,6 +244,18 @@ class MultiTaskLM(ObjectiveBase):
             return _ACCURACY[task["objective"]]
         return _ACCURACY["seq2seq"] if self.encoder_decoder else None
 
+    def write_step_metrics(self) -> None:
+        """The shared step metrics, then a row-mixed step's per-task values and every task's
+        shares. Called on the same steps on every rank: _log_row_tasks all-reduces."""
+        super().write_step_metrics()
+        if self.unwritten_row_terms is not None:
+            self._log_row_tasks(self.unwritten_row_terms)
+            self.unwritten_row_terms = None
+        all_batches, all_tokens = max(sum(self.task_batches), 1), max(sum(self.task_tokens), 1.0)
+        for task, count, spent in zip(self.tasks, self.task_batches, self.task_tokens):
+            self.log(f"train/{task['name']}/step_share", count / all_batches)
+            self.log(f"train/{task['name']}/token_share", spent / all_tokens)
+
     def _log_row_tasks(self, terms: list) -> None:
         """train/<task>/loss, ppl, bpb and accuracy of each task's rows of a stacked batch, over
         all ranks' rows (one all-reduce of the tasks' sums); a task without targets logs nothing."""
@@ -270,19 +280,13 @@ class MultiTaskLM(ObjectiveBase):
             tokens = tokens + non_pad_tokens(batch["decoder_input_ids"], batch.get("decoder_attention_mask"))
         return float(tokens)
 
-    def _log_shares(self, used: dict[int, tuple[int, float]]) -> None:
-        """Every task's share of the micro-batches (row mixing: rows) and input tokens so far,
-        given {task: (micro-batches or rows, input tokens)} of this batch (this rank's token count
-        times the ranks: packed rows have the same count on every rank)."""
+    def _count_shares(self, used: dict[int, tuple[int, float]]) -> None:
+        """Counts each task's micro-batches (row mixing: rows) and input tokens, given {task:
+        (micro-batches or rows, input tokens)} of this batch (this rank's token count times the
+        ranks: packed rows have the same count on every rank); write_step_metrics logs the shares."""
         for index, (batches, tokens) in used.items():
             self.task_batches[index] += batches
             self.task_tokens[index] += tokens * self.trainer.world_size
-        if not self.writes_step_metrics():
-            return
-        all_batches, all_tokens = sum(self.task_batches), max(sum(self.task_tokens), 1.0)
-        for task, count, spent in zip(self.tasks, self.task_batches, self.task_tokens):
-            self.log(f"train/{task['name']}/step_share", count / all_batches)
-            self.log(f"train/{task['name']}/token_share", spent / all_tokens)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

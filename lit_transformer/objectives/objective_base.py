@@ -326,26 +326,31 @@ class ObjectiveBase(L.LightningModule):
         self.log("train/loss", logged[0], prog_bar=True)  # every step: the progress bar shows it
         self.step_work = StepWork(batch, flop_tokens, head_positions)
         values: dict[str, Any] = dict(zip(metrics, logged[len(logged) - len(metrics) :]))
-        if task is not None:  # a step-mixed task's step: kept until a logging step writes it
+        step_values = {} if nll_mean is None else {"ppl": logged[1].exp()}
+        if task is None:
+            self.unwritten_task_metrics["train/"] = {**step_values, **values}
+        else:  # a step-mixed task's step: kept until a logging step writes it
             values["loss"] = logged[0]
             if nll_mean is not None:
-                values["ppl"] = logged[1].exp()
+                values["ppl"] = step_values["ppl"]
                 if task_bytes_per_token is not None:
                     values["bpb"] = bits_per_byte(logged[1], task_bytes_per_token)
-        self.unwritten_task_metrics["train/" if task is None else f"train/{task}/"] = values
-        if not self.writes_step_metrics():
-            return loss
-        if nll_mean is not None:
-            self.log("train/ppl", logged[1].exp())
+            self.unwritten_task_metrics["train/"] = step_values
+            self.unwritten_task_metrics[f"train/{task}/"] = values
+        if self.writes_step_metrics():
+            self.write_step_metrics()
+        return loss
+
+    def write_step_metrics(self) -> None:
+        """Logs the step metrics kept since the last logging step: the learning rate, the skipped
+        steps, and every task's latest values, as if each had been logged on its own step (the
+        logger writes each name's last value), not only the task of this step."""
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log("train/skipped_steps", float(self.skipped_steps))
-        # every task's latest values since the last logging step, as if each had been logged on its
-        # own step (the logger writes each name's last value), not only the task of this step
         for prefix, task_values in self.unwritten_task_metrics.items():
             for name, value in task_values.items():
                 self.log(f"{prefix}{name}", value)
         self.unwritten_task_metrics = {}
-        return loss
 
     def writes_step_metrics(self) -> bool:
         """Whether this training step's metrics reach the logger. Lightning writes a training
@@ -379,6 +384,11 @@ class ObjectiveBase(L.LightningModule):
         norm = total_norm(grads)
         if self.writes_step_metrics():
             self.log("train/grad_norm", norm)
+            if self.unwritten_task_metrics:
+                # the run stops after this step (TimeBudget decides it in its own hook, just
+                # before this one), which Lightning writes although training_step kept its
+                # metrics for a later logging step: written now, or they would be stale
+                self.write_step_metrics()
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # fp16 AMP skips inf steps itself
         if self.skip_nonfinite and scaler is None and not torch.isfinite(norm):
             # A finite loss can still overflow in backward (and under DDP/FSDP a non-finite loss

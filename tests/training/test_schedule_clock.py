@@ -4,6 +4,7 @@ trainer.max_steps is far away, and a resumed run goes on from the seconds it had
 
 from __future__ import annotations
 
+import csv
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,7 @@ RUN = [
     "trainer.val_check_interval=100000",
     "trainer.checkpoint_every_n_steps=100000",
     "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=5",  # the last step, the 12th, is not a logging step
 ]
 
 
@@ -63,6 +65,7 @@ def hybrid(run_dir, monkeypatch, *extra, stop: int | None = None) -> tuple[list[
         patch.setattr(mntp.MNTPCollator, "rate", recorded)
         callbacks = [clock] if stop is None else [clock, StopAt(stop)]
         train(tiny_run_config(run_dir, *RUN, *extra, recipe="tiny-gptbert"), callbacks=callbacks, progress_bar=False)
+    clock.run_dir = run_dir
     return shares, clock
 
 
@@ -88,6 +91,30 @@ def test_the_mask_rate_falls_over_the_time_budget_to_its_end(whole):
     assert clock.progress.at(steps) == 1.0 and mntp.mask_rate(shares[steps], START, END) == END  # the next batch's
     # over trainer.max_steps, as before, the rate would not have moved from the start
     assert mntp.mask_rate((steps - 1) / 100_000, START, END) > START - 1e-4
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_step_the_budget_ends_writes_its_own_metrics(whole):
+    """The budget runs out on step 12, not a logging step (every 5th): Lightning still writes it,
+    and what it writes is that step's learning rate, perplexity and per-task values, not those
+    kept from step 10 (objective_base.write_step_metrics, from on_before_optimizer_step)."""
+    _, clock = whole
+    with open(next(clock.run_dir.glob("csv/version_*/metrics.csv"))) as file:
+        rows = [row for row in csv.DictReader(file) if row.get("train/loss")]
+    assert [int(row["step"]) for row in rows] == [4, 9, 11]
+    names = [
+        "train/lr",
+        "train/ppl",
+        "train/clm/loss",
+        "train/mntp/loss",
+        "train/mntp/accuracy",
+        "train/clm/step_share",
+    ]
+    for name in names:
+        assert all(row[name] for row in rows), name
+    # fresh values: the learning rate falls with the clock; the losses change every step
+    for name in ("train/lr", "train/ppl", "train/clm/loss", "train/mntp/loss"):
+        assert float(rows[-1][name]) != float(rows[-2][name]), name
 
 
 @pytest.mark.usefixtures("one_thread", "private_cache")
