@@ -147,8 +147,8 @@ class ObjectiveBase(L.LightningModule):
         self.skipped_steps: int = 0
         self.eval_metrics = nn.ModuleDict()
         self.step_work: StepWork | None = None  # this batch's work, taken by the Throughput callback
-        # step metrics not yet logged, by prefix ("train/<task>/" in a step-mixed mixture, else
-        # "train/"): each task's latest values since the last logging step, which logs them all
+        # step metrics not yet logged, by prefix ("train/", and "train/<task>/" in a step-mixed
+        # mixture): each task's latest values since the last logging step, which logs them all
         self.unwritten_task_metrics: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ building and loading
