@@ -359,7 +359,9 @@ class ObjectiveBase(L.LightningModule):
         a walk over the metric's attributes (lightning's _ResultMetric.to), more than a tiny
         model's loss (benchmarks/README.md, "Mixtures against the causal LM"), so the step metrics
         beyond the progress bar's loss are logged only when they will be written. The same on
-        every rank."""
+        every rank. `should_update_logs` is private, but Lightning's own LearningRateMonitor,
+        ThroughputMonitor and DeviceStatsMonitor read it for this same decision; a release that
+        renames it fails every training test with an AttributeError, never silently."""
         trainer = self.trainer
         return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
 
